@@ -1,0 +1,150 @@
+"""Narrow interfaces over hot state. Services use these, never raw Redis commands.
+
+Two backends implement every interface and pass one contract suite
+(``tests/integration/test_state_contract.py``): ``redis`` (shared, multi-replica) and ``memory``
+(embedded, one process). Errors are ``pdserve.common.errors`` types:
+
+- ``InvalidArgumentError``: unknown worker, block count <= 0 or above the worker's total,
+  non-positive lease; nothing is reserved.
+- ``CapacityError``: the worker has too few free blocks right now; nothing is reserved.
+- ``StaleTokenError``: the token's ticket is unknown (expired and reaped, or lost in a store
+  restart) or its attempt is not the current one.
+- ``IllegalTransitionError``: the ticket state machine refuses the move.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pdserve.state.types import (
+    BlockReport,
+    FencingToken,
+    LedgerSnapshot,
+    PoolEvent,
+    PoolEvents,
+    PoolSnapshot,
+    ReconcileResult,
+    Ticket,
+    TicketSpec,
+    TicketState,
+    WorkerLoad,
+    WorkerRecord,
+    WorkerRole,
+    WorkerState,
+)
+
+
+class WorkerStore(Protocol):
+    """Worker records with a heartbeat TTL. A record whose TTL lapses disappears (the pool
+    manager's health loop marks it FAILED first, from ``last_heartbeat_s``)."""
+
+    async def upsert(self, worker: WorkerRecord, ttl_s: float) -> None: ...
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad, ttl_s: float) -> WorkerRecord:
+        """Refresh TTL and load; raises ``NotFoundError`` if the record is gone (re-register)."""
+        ...
+
+    async def set_state(self, worker_id: str, state: WorkerState) -> WorkerRecord: ...
+
+    async def get(self, worker_id: str) -> WorkerRecord | None: ...
+
+    async def list(
+        self, deployment: str | None = None, role: WorkerRole | None = None
+    ) -> list[WorkerRecord]: ...
+
+    async def remove(self, worker_id: str) -> None: ...
+
+
+class TicketLedger(Protocol):
+    """Tickets and the per-decode-worker block ledger they reserve from.
+
+    Opening a ticket creates it and reserves its blocks in one atomic step. Blocks move
+    reserved -> held (``mark_held``, after DONE the sequence owns them) -> free (``release``).
+    A lease covers reserved blocks only; ``reap_expired`` moves tickets whose lease lapsed to
+    EXPIRED and frees their blocks.
+    """
+
+    async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
+        """Create or resize a decode worker's ledger (registration / heartbeat)."""
+        ...
+
+    async def drop_worker(self, worker_id: str) -> list[Ticket]:
+        """Forget a worker's ledger; returns its non-terminal tickets, now ABORTED."""
+        ...
+
+    async def open(self, spec: TicketSpec) -> Ticket: ...
+
+    async def get(self, token: FencingToken) -> Ticket:
+        """The ticket; ``StaleTokenError`` if unknown or another attempt."""
+        ...
+
+    async def find(self, ticket_id: str) -> Ticket | None:
+        """The ticket by id whatever its attempt, or None."""
+        ...
+
+    async def transition(
+        self, token: FencingToken, state: TicketState, reason: str = ""
+    ) -> Ticket:
+        """Move the ticket. Terminal ABORTED/EXPIRED free its reserved (not held) blocks."""
+        ...
+
+    async def extend(self, token: FencingToken, lease_s: float) -> Ticket:
+        """Push the lease deadline to now + ``lease_s``."""
+        ...
+
+    async def mark_held(self, token: FencingToken) -> Ticket:
+        """Reserved -> held (no lease from now on). Ticket must be DONE."""
+        ...
+
+    async def release(self, token: FencingToken) -> Ticket:
+        """Free the ticket's blocks (held or reserved). A second release is ``StaleTokenError``."""
+        ...
+
+    async def reap_expired(self, worker_id: str | None = None) -> list[Ticket]:
+        """Expire every lapsed lease (of one worker, or all); returns the tickets expired."""
+        ...
+
+    async def snapshot(self, worker_id: str) -> LedgerSnapshot: ...
+
+    async def list_tickets(
+        self, worker_id: str | None = None, state: TicketState | None = None
+    ) -> list[Ticket]: ...
+
+    async def reconcile(self, report: BlockReport) -> ReconcileResult:
+        """Make the ledger agree with what the worker says it holds (see ``ReconcileResult``)."""
+        ...
+
+
+class PoolEventStream(Protocol):
+    """The change stream routers follow, with a snapshot to resync from after a gap."""
+
+    async def publish(self, event: PoolEvent) -> str:
+        """Append; returns the new cursor. ``event.cursor`` is ignored."""
+        ...
+
+    async def read(self, deployment: str, cursor: str, timeout_s: float = 0.0) -> PoolEvents:
+        """Events after ``cursor``; waits up to ``timeout_s`` for the first one."""
+        ...
+
+    async def snapshot(self, deployment: str, workers: WorkerStore) -> PoolSnapshot: ...
+
+
+class TargetStore(Protocol):
+    """Target pool sizes set by hand or by the governor."""
+
+    async def set_target(self, deployment: str, role: WorkerRole, num_workers: int) -> None: ...
+
+    async def get_target(self, deployment: str, role: WorkerRole) -> int | None: ...
+
+
+class StateBackend(Protocol):
+    """One backend: the stores it provides and its lifecycle."""
+
+    workers: WorkerStore
+    tickets: TicketLedger
+    events: PoolEventStream
+    targets: TargetStore
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...
