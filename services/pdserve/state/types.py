@@ -105,6 +105,9 @@ class WorkerRecord:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_heartbeat_s: float = 0.0
     registered_s: float = 0.0
+    spec: bytes = b""
+    """Static description (a serialized ``pdserve.api.v1.WorkerInfo``: engine, model, KV layout,
+    transports). Opaque to the stores, which must round-trip it byte for byte."""
 
 
 @dataclass(frozen=True, slots=True)
