@@ -1,0 +1,225 @@
+"""The KV-transfer coordinator core: tickets over the shared ledger, leases, the reaper, the
+fan-out that tells both workers when a ticket ends early, and transfer statistics.
+
+The ledger (``TicketLedger``) does the atomic parts; this class adds validation against the pool
+(a ticket goes only to a READY decode worker of the right deployment), lease bounds, notification
+and statistics. It holds no state of its own that matters after a restart: the ledger is shared,
+and a restarted coordinator's reaper picks up every lapsed lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.common.errors import InvalidArgumentError, UnavailableError
+from pdserve.state.interfaces import TicketLedger, WorkerStore
+from pdserve.state.types import (
+    Clock,
+    FencingToken,
+    LedgerSnapshot,
+    Ticket,
+    TicketSpec,
+    TicketState,
+    WorkerRole,
+    WorkerState,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorPolicy:
+    """Lease bounds and reaper cadence, seconds."""
+
+    default_lease_s: float = 10.0
+    max_lease_s: float = 300.0
+    reap_interval_s: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """Statistics of one finished transfer, for the durable store and metrics."""
+
+    ticket: Ticket
+    num_bytes: int
+    prefill_compute_s: float
+    transfer_s: float
+    exposed_s: float
+    outcome: TicketState
+
+
+class TicketNotifier(Protocol):
+    """Tells the workers of a ticket that it ended early (aborted or expired)."""
+
+    async def ticket_ended(self, ticket: Ticket) -> None: ...
+
+
+class TransferStatsSink(Protocol):
+    def record(self, record: TransferRecord) -> None: ...
+
+
+class NullNotifier:
+    async def ticket_ended(self, ticket: Ticket) -> None:
+        return None
+
+
+class KvTransferCoordinator:
+    def __init__(
+        self,
+        ledger: TicketLedger,
+        workers: WorkerStore,
+        clock: Clock,
+        policy: CoordinatorPolicy | None = None,
+        notifier: TicketNotifier | None = None,
+        stats_sink: TransferStatsSink | None = None,
+    ) -> None:
+        self._ledger = ledger
+        self._workers = workers
+        self._clock = clock
+        self.policy = policy or CoordinatorPolicy()
+        self._notifier = notifier or NullNotifier()
+        self._stats_sink = stats_sink
+        self._subscribers: set[asyncio.Queue[Ticket]] = set()
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def lease_s(self, requested_ms: int) -> float:
+        if requested_ms < 0:
+            raise InvalidArgumentError("lease_ms: must be >= 0", field="lease_ms")
+        if requested_ms == 0:
+            return self.policy.default_lease_s
+        return min(requested_ms / 1000.0, self.policy.max_lease_s)
+
+    async def open_ticket(self, spec: TicketSpec) -> Ticket:
+        if not spec.deployment:
+            raise InvalidArgumentError("deployment: required", field="deployment")
+        if not spec.decode_worker_id:
+            raise InvalidArgumentError("decode_worker_id: required", field="decode_worker_id")
+        if spec.num_blocks <= 0:
+            raise InvalidArgumentError("num_blocks: must be > 0", field="num_blocks")
+        decode = await self._workers.get(spec.decode_worker_id)
+        if decode is None or decode.role is not WorkerRole.DECODE:
+            raise InvalidArgumentError(
+                f"decode_worker_id: no decode worker {spec.decode_worker_id!r}",
+                field="decode_worker_id",
+            )
+        if decode.deployment != spec.deployment:
+            raise InvalidArgumentError(
+                f"decode_worker_id: {spec.decode_worker_id!r} serves {decode.deployment!r}, "
+                f"not {spec.deployment!r}",
+                field="decode_worker_id",
+            )
+        if decode.state is not WorkerState.READY:
+            raise UnavailableError(f"decode worker {spec.decode_worker_id} is {decode.state}")
+        if spec.prefill_worker_id:
+            prefill = await self._workers.get(spec.prefill_worker_id)
+            if prefill is None or prefill.role is not WorkerRole.PREFILL:
+                raise InvalidArgumentError(
+                    f"prefill_worker_id: no prefill worker {spec.prefill_worker_id!r}",
+                    field="prefill_worker_id",
+                )
+        ticket = await self._ledger.open(spec)
+        self._publish(ticket)
+        return ticket
+
+    async def update_progress(
+        self, token: FencingToken, state: TicketState, record: TransferRecord | None = None
+    ) -> Ticket:
+        current = await self._ledger.get(token)
+        if state is current.state and not state.is_terminal:
+            ticket = current  # idempotent progress report
+        else:
+            ticket = await self._ledger.transition(token, state)
+        if state is TicketState.DONE:
+            ticket = await self._ledger.mark_held(token)
+            if record is not None and self._stats_sink is not None:
+                self._stats_sink.record(record)
+        self._publish(ticket)
+        return ticket
+
+    async def renew(self, token: FencingToken, lease_s: float) -> Ticket:
+        return await self._ledger.extend(token, lease_s)
+
+    async def abort(self, token: FencingToken, reason: str) -> Ticket:
+        ticket = await self._ledger.get(token)
+        if ticket.state.is_terminal:
+            if ticket.state is TicketState.DONE and ticket.is_held:
+                # A finished sequence being cancelled: its blocks go back now.
+                ticket = await self._ledger.release(token)
+            return ticket
+        ticket = await self._ledger.transition(token, TicketState.ABORTED, reason or "aborted")
+        self._publish(ticket)
+        await self._notify(ticket)
+        return ticket
+
+    async def release(self, token: FencingToken) -> Ticket:
+        ticket = await self._ledger.release(token)
+        self._publish(ticket)
+        return ticket
+
+    async def get(self, ticket_id: str) -> Ticket | None:
+        return await self._ledger.find(ticket_id)
+
+    async def list_tickets(
+        self, worker_id: str | None = None, state: TicketState | None = None
+    ) -> list[Ticket]:
+        return await self._ledger.list_tickets(worker_id, state)
+
+    async def ledgers(
+        self, worker_id: str | None = None, deployment: str | None = None
+    ) -> list[LedgerSnapshot]:
+        """Ledger counts of one decode worker, or of every decode worker (of a deployment)."""
+        if worker_id:
+            return [await self._ledger.snapshot(worker_id)]
+        workers = await self._workers.list(deployment, WorkerRole.DECODE)
+        return [await self._ledger.snapshot(w.worker_id) for w in workers]
+
+    async def reap_once(self) -> list[Ticket]:
+        expired = await self._ledger.reap_expired()
+        for ticket in expired:
+            logger.info("ticket %s expired (decode %s)", ticket.token, ticket.decode_worker_id)
+            self._publish(ticket)
+            await self._notify(ticket)
+        return expired
+
+    async def run_reaper(self, stop: asyncio.Event) -> None:
+        """Reap until ``stop`` is set. Errors are logged and the loop goes on (store restarts)."""
+        while not stop.is_set():
+            try:
+                await self.reap_once()
+            except Exception:  # noqa: BLE001 - the reaper must outlive store hiccups
+                logger.exception("reaper pass failed")
+            try:
+                await asyncio.wait_for(stop.wait(), self.policy.reap_interval_s)
+            except TimeoutError:
+                pass
+
+    async def watch(self, worker_id: str = "") -> AsyncIterator[Ticket]:
+        """Ticket changes made through this replica, optionally only those touching a worker."""
+        queue: asyncio.Queue[Ticket] = asyncio.Queue(maxsize=10_000)
+        self._subscribers.add(queue)
+        try:
+            while True:
+                ticket = await queue.get()
+                if not worker_id or worker_id in (ticket.decode_worker_id, ticket.prefill_worker_id):
+                    yield ticket
+        finally:
+            self._subscribers.discard(queue)
+
+    def _publish(self, ticket: Ticket) -> None:
+        for queue in list(self._subscribers):
+            if queue.full():
+                continue  # a slow watcher misses changes rather than slowing the coordinator
+            queue.put_nowait(ticket)
+
+    async def _notify(self, ticket: Ticket) -> None:
+        try:
+            await self._notifier.ticket_ended(ticket)
+        except Exception:  # noqa: BLE001 - workers also learn through their own leases
+            logger.warning("could not notify workers of ticket %s", ticket.token, exc_info=True)

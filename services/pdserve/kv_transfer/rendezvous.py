@@ -1,0 +1,99 @@
+"""Rendezvous of a ticket's two workers: the decode worker publishes where the KV goes, the
+prefill worker waits for it. The router's fast path hands the destination to the prefill worker
+directly (it learns it from AdmitTicket); this is the path for callers that dispatch both sides
+at once without waiting. Entries live as long as a lease at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from pdserve.state.types import FencingToken
+
+
+class Rendezvous(Protocol):
+    async def publish(self, token: FencingToken, payload: bytes, ttl_s: float) -> None: ...
+
+    async def wait(self, token: FencingToken, timeout_s: float) -> bytes | None:
+        """The payload, or None if nothing was published within ``timeout_s``."""
+        ...
+
+    async def forget(self, token: FencingToken) -> None: ...
+
+
+class MemoryRendezvous:
+    """One process; entries expire lazily when forgotten or after ``ttl_s`` (loop time)."""
+
+    def __init__(self) -> None:
+        self._payloads: dict[str, bytes] = {}
+        self._events: dict[str, asyncio.Event] = {}
+
+    async def publish(self, token: FencingToken, payload: bytes, ttl_s: float) -> None:
+        key = str(token)
+        self._payloads[key] = payload
+        self._events.setdefault(key, asyncio.Event()).set()
+        asyncio.get_running_loop().call_later(ttl_s, self._drop, key)
+
+    async def wait(self, token: FencingToken, timeout_s: float) -> bytes | None:
+        key = str(token)
+        if key in self._payloads:
+            return self._payloads[key]
+        event = self._events.setdefault(key, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            return None
+        return self._payloads.get(key)
+
+    async def forget(self, token: FencingToken) -> None:
+        self._drop(str(token))
+
+    def _drop(self, key: str) -> None:
+        self._payloads.pop(key, None)
+        self._events.pop(key, None)
+
+
+class RedisRendezvous:
+    """Shared by coordinator replicas: a key per ticket attempt plus a pub/sub wake-up."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "pdserve") -> None:
+        self._client = client
+        self._prefix = prefix
+
+    def _key(self, token: FencingToken) -> str:
+        return f"{self._prefix}:rendezvous:{token.ticket_id}:{token.attempt}"
+
+    async def publish(self, token: FencingToken, payload: bytes, ttl_s: float) -> None:
+        key = self._key(token)
+        await self._client.set(key, payload, px=max(1, int(ttl_s * 1000)))
+        await self._client.publish(key, b"1")
+
+    async def wait(self, token: FencingToken, timeout_s: float) -> bytes | None:
+        key = self._key(token)
+        payload = await self._client.get(key)
+        if payload is not None:
+            return payload
+        pubsub = self._client.pubsub()
+        try:
+            await pubsub.subscribe(key)
+            payload = await self._client.get(key)  # published between GET and SUBSCRIBE
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while payload is None:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                message = await pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=min(remaining, 1.0)
+                )
+                if message is not None:
+                    payload = await self._client.get(key)
+            return payload
+        finally:
+            await pubsub.aclose()
+
+    async def forget(self, token: FencingToken) -> None:
+        await self._client.delete(self._key(token))

@@ -1,0 +1,354 @@
+"""The pool manager core: membership, lifecycle, health and scale actuation of one pool (prefill
+or decode) for one or more deployments. The gRPC servicer is a thin adapter over this class.
+
+Everything it knows lives in the shared state backend, so several replicas can serve the same
+pool; only scale actuation must run on one replica at a time (``run_actuator`` is started on the
+replica that holds the pool's actuation role).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from pdserve.common.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    UnauthenticatedError,
+)
+from pdserve.pool.lifecycle import is_legal
+from pdserve.pool.provisioner import Provisioner, WorkerLaunch
+from pdserve.state.interfaces import StateBackend
+from pdserve.state.prefix_index import PrefixIndex
+from pdserve.state.types import (
+    BlockReport,
+    Clock,
+    PoolEvent,
+    PoolEventKind,
+    WorkerLoad,
+    WorkerRecord,
+    WorkerRole,
+    WorkerState,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPolicy:
+    """How one pool manager runs. Seconds throughout."""
+
+    role: WorkerRole
+    join_token: str
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    """No heartbeat for this long marks a worker FAILED."""
+    record_ttl_s: float = 60.0
+    """A record with no heartbeat disappears from the store after this long."""
+    health_interval_s: float = 0.5
+    actuate_interval_s: float = 1.0
+    launch_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per deployment, extra worker arguments for the provisioner."""
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    worker_id: str
+    deployment: str
+    address: str
+    kv_address: str = ""
+    num_total_blocks: int = 0
+    spec: bytes = b""
+    state: WorkerState = WorkerState.REGISTERING
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    worker_id: str
+    state: WorkerState
+    load: WorkerLoad
+    held_blocks: dict[str, int] | None = None
+    added_prefix_hashes: tuple[int, ...] = ()
+    removed_prefix_hashes: tuple[int, ...] = ()
+    is_full_prefix_report: bool = False
+    join_token: str = ""
+    registration: Registration | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatDirectives:
+    should_drain: bool = False
+    was_readopted: bool = False
+    should_send_full_prefix_report: bool = False
+
+
+class LifecycleSink(Protocol):
+    """Durable record of worker lifecycle events (Postgres in production)."""
+
+    def record(self, worker: WorkerRecord, from_state: WorkerState | None, reason: str) -> None: ...
+
+
+class PoolManager:
+    def __init__(
+        self,
+        policy: PoolPolicy,
+        backend: StateBackend,
+        prefix_index: PrefixIndex,
+        clock: Clock,
+        provisioner: Provisioner | None = None,
+        lifecycle_sink: LifecycleSink | None = None,
+    ) -> None:
+        self.policy = policy
+        self._backend = backend
+        self._prefix_index = prefix_index
+        self._clock = clock
+        self._provisioner = provisioner
+        self._lifecycle_sink = lifecycle_sink
+        self._launched: dict[str, str] = {}  # worker_id -> deployment, launched and not yet gone
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def _check_token(self, join_token: str) -> None:
+        if not hmac.compare_digest(join_token.encode(), self.policy.join_token.encode()):
+            raise UnauthenticatedError("join_token: not valid for this pool")
+
+    async def register(self, registration: Registration, join_token: str) -> WorkerRecord:
+        self._check_token(join_token)
+        if not registration.deployment:
+            raise InvalidArgumentError("worker.deployment: required", field="worker.deployment")
+        if not registration.address:
+            raise InvalidArgumentError("worker.address: required", field="worker.address")
+        if self.policy.role is WorkerRole.DECODE and registration.num_total_blocks <= 0:
+            raise InvalidArgumentError(
+                "worker.kv_layout.num_blocks: a decode worker must report its KV blocks",
+                field="worker.kv_layout.num_blocks",
+            )
+        worker_id = registration.worker_id or f"{self.policy.role.value[0]}-{uuid.uuid4().hex[:12]}"
+        now = self._clock()
+        previous = await self._backend.workers.get(worker_id)
+        record = WorkerRecord(
+            worker_id=worker_id,
+            deployment=registration.deployment,
+            role=self.policy.role,
+            state=registration.state,
+            address=registration.address,
+            kv_address=registration.kv_address,
+            load=WorkerLoad(num_total_blocks=registration.num_total_blocks,
+                            num_free_blocks=registration.num_total_blocks),
+            last_heartbeat_s=now,
+            registered_s=now,
+            spec=registration.spec,
+        )
+        await self._backend.workers.upsert(record, self.policy.record_ttl_s)
+        if self.policy.role is WorkerRole.DECODE:
+            await self._backend.tickets.set_capacity(worker_id, registration.num_total_blocks)
+        await self._prefix_index.update(registration.deployment, worker_id, (), (), is_full=True)
+        await self._publish_upsert(record)
+        self._record(record, previous.state if previous else None, "registered")
+        logger.info("worker %s registered (%s, %s)", worker_id, record.role, record.deployment)
+        return record
+
+    async def heartbeat(self, beat: Heartbeat) -> HeartbeatDirectives:
+        record = await self._backend.workers.get(beat.worker_id)
+        was_readopted = False
+        if record is None or record.state is WorkerState.FAILED:
+            if beat.registration is None or beat.state is WorkerState.FAILED:
+                raise NotFoundError(f"worker {beat.worker_id} is not registered; register again")
+            # The store lost the record (restart) or declared the worker dead while it was only
+            # slow: the worker proves itself with the join token and is taken back.
+            registration = replace(beat.registration, worker_id=beat.worker_id, state=beat.state)
+            record = await self.register(registration, beat.join_token)
+            was_readopted = True
+        should_drain = False
+        state = beat.state
+        if record.state is WorkerState.DRAINING and state in (WorkerState.READY, WorkerState.LOADING):
+            state, should_drain = WorkerState.DRAINING, True
+        elif not is_legal(record.state, state):
+            raise InvalidArgumentError(
+                f"state: {record.state} -> {state} is not a legal worker transition", field="state"
+            )
+        if state is not record.state:
+            record = await self._backend.workers.set_state(beat.worker_id, state)
+            self._record(record, None, "reported")
+        record = await self._backend.workers.heartbeat(beat.worker_id, beat.load, self.policy.record_ttl_s)
+        if self.policy.role is WorkerRole.DECODE and beat.held_blocks is not None:
+            if beat.load.num_total_blocks > 0:
+                await self._backend.tickets.set_capacity(beat.worker_id, beat.load.num_total_blocks)
+                await self._backend.tickets.reconcile(
+                    BlockReport(beat.worker_id, beat.load.num_total_blocks, dict(beat.held_blocks))
+                )
+        if self.policy.role is WorkerRole.PREFILL and (
+            beat.added_prefix_hashes or beat.removed_prefix_hashes or beat.is_full_prefix_report
+        ):
+            await self._prefix_index.update(
+                record.deployment, beat.worker_id, beat.added_prefix_hashes,
+                beat.removed_prefix_hashes, beat.is_full_prefix_report,
+            )
+        await self._publish_upsert(record)
+        if state is WorkerState.DRAINED:
+            await self._retire(record)
+        return HeartbeatDirectives(
+            should_drain=should_drain or record.state is WorkerState.DRAINING,
+            was_readopted=was_readopted,
+            should_send_full_prefix_report=was_readopted,
+        )
+
+    async def deregister(self, worker_id: str) -> None:
+        record = await self._backend.workers.get(worker_id)
+        if record is None:
+            return
+        await self._remove(record, "deregistered")
+
+    async def drain(self, worker_id: str, reason: str = "") -> WorkerRecord:
+        record = await self._backend.workers.get(worker_id)
+        if record is None:
+            raise NotFoundError(f"worker_id: no worker {worker_id!r}", field="worker_id")
+        if record.state in (WorkerState.DRAINING, WorkerState.DRAINED, WorkerState.FAILED):
+            return record
+        record = await self._backend.workers.set_state(worker_id, WorkerState.DRAINING)
+        self._record(record, None, reason or "drain requested")
+        await self._publish_upsert(record)
+        return record
+
+    async def list_workers(
+        self, deployment: str | None = None, role: WorkerRole | None = None
+    ) -> list[WorkerRecord]:
+        return await self._backend.workers.list(deployment, role or self.policy.role)
+
+    async def set_target(self, deployment: str, num_workers: int) -> int:
+        if not deployment:
+            raise InvalidArgumentError("deployment: required", field="deployment")
+        if num_workers < 0:
+            raise InvalidArgumentError("num_workers: must be >= 0", field="num_workers")
+        previous = await self._backend.targets.get_target(deployment, self.policy.role) or 0
+        await self._backend.targets.set_target(deployment, self.policy.role, num_workers)
+        await self._backend.events.publish(
+            PoolEvent(cursor="", kind=PoolEventKind.TARGET, deployment=deployment)
+        )
+        return previous
+
+    async def get_target(self, deployment: str) -> int:
+        return await self._backend.targets.get_target(deployment, self.policy.role) or 0
+
+    # -- health -------------------------------------------------------------------------------
+
+    async def check_health(self) -> list[WorkerRecord]:
+        """Mark workers whose heartbeats stopped FAILED; returns them."""
+        now = self._clock()
+        failed = []
+        for record in await self._backend.workers.list(None, self.policy.role):
+            if record.state in (WorkerState.FAILED, WorkerState.DRAINED):
+                continue
+            if now - record.last_heartbeat_s > self.policy.heartbeat_timeout_s:
+                failed.append(await self._fail(record, "missed heartbeats"))
+        return failed
+
+    async def _fail(self, record: WorkerRecord, reason: str) -> WorkerRecord:
+        logger.warning("worker %s failed: %s", record.worker_id, reason)
+        record = await self._backend.workers.set_state(record.worker_id, WorkerState.FAILED)
+        self._record(record, None, reason)
+        if self.policy.role is WorkerRole.DECODE:
+            await self._backend.tickets.drop_worker(record.worker_id)
+        await self._prefix_index.drop(record.deployment, record.worker_id)
+        await self._publish_upsert(record)
+        return record
+
+    async def _retire(self, record: WorkerRecord) -> None:
+        if self._provisioner is not None and record.worker_id in self._launched:
+            self._launched.pop(record.worker_id, None)
+            await self._provisioner.stop(record.worker_id)
+        await self._remove(record, "drained")
+
+    async def _remove(self, record: WorkerRecord, reason: str) -> None:
+        if self.policy.role is WorkerRole.DECODE:
+            await self._backend.tickets.drop_worker(record.worker_id)
+        await self._prefix_index.drop(record.deployment, record.worker_id)
+        await self._backend.workers.remove(record.worker_id)
+        await self._backend.events.publish(
+            PoolEvent(cursor="", kind=PoolEventKind.REMOVED, deployment=record.deployment,
+                      worker_id=record.worker_id)
+        )
+        self._record(record, record.state, reason)
+
+    # -- actuation ----------------------------------------------------------------------------
+
+    async def actuate(self, deployments: Iterable[str]) -> None:
+        """Bring each deployment's pool to its target: start workers, or drain the least useful."""
+        if self._provisioner is None:
+            return
+        for deployment in deployments:
+            target = await self._backend.targets.get_target(deployment, self.policy.role)
+            if target is None:
+                continue
+            records = await self._backend.workers.list(deployment, self.policy.role)
+            known = {r.worker_id for r in records}
+            live = [r for r in records if r.state in (
+                WorkerState.REGISTERING, WorkerState.LOADING, WorkerState.READY)]
+            pending = [w for w, d in self._launched.items() if d == deployment and w not in known]
+            num_live = len(live) + len(pending)
+            for _ in range(target - num_live):
+                worker_id = f"{self.policy.role.value[0]}-{uuid.uuid4().hex[:12]}"
+                self._launched[worker_id] = deployment
+                await self._provisioner.start(WorkerLaunch(
+                    worker_id=worker_id, deployment=deployment, role=self.policy.role.value,
+                    args=self.policy.launch_args.get(deployment, ()),
+                ))
+            for record in choose_drain_victims(live, num_live - target):
+                await self.drain(record.worker_id, "scale down")
+            for record in records:
+                if record.state is WorkerState.FAILED and record.worker_id in self._launched:
+                    self._launched.pop(record.worker_id, None)
+                    await self._provisioner.stop(record.worker_id)
+
+    async def run(self, stop: asyncio.Event, deployments: Iterable[str] = ()) -> None:
+        """Health checks and actuation until ``stop`` is set."""
+        deployments = tuple(deployments)
+        next_actuation = 0.0
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            try:
+                await self.check_health()
+                if loop.time() >= next_actuation:
+                    await self.actuate(deployments)
+                    next_actuation = loop.time() + self.policy.actuate_interval_s
+            except Exception:  # noqa: BLE001 - keep managing through store hiccups
+                logger.exception("pool manager pass failed")
+            try:
+                await asyncio.wait_for(stop.wait(), self.policy.health_interval_s)
+            except TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        if self._provisioner is not None:
+            await self._provisioner.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    async def _publish_upsert(self, record: WorkerRecord) -> None:
+        await self._backend.events.publish(
+            PoolEvent(cursor="", kind=PoolEventKind.UPSERTED, deployment=record.deployment,
+                      worker=record, worker_id=record.worker_id)
+        )
+
+    def _record(self, record: WorkerRecord, from_state: WorkerState | None, reason: str) -> None:
+        if self._lifecycle_sink is not None:
+            try:
+                self._lifecycle_sink.record(record, from_state, reason)
+            except Exception:  # noqa: BLE001 - durable records never block serving
+                logger.warning("could not record lifecycle event", exc_info=True)
+
+
+def choose_drain_victims(live: list[WorkerRecord], count: int) -> list[WorkerRecord]:
+    """Pure: the ``count`` workers whose loss costs least — not-yet-ready ones first, then the
+    least loaded (fewest running sequences, then fewest queued prefill tokens)."""
+    if count <= 0:
+        return []
+    order = {WorkerState.REGISTERING: 0, WorkerState.LOADING: 1, WorkerState.READY: 2}
+    ranked = sorted(live, key=lambda r: (
+        order[r.state], r.load.num_running_seqs, r.load.num_queued_prefill_tokens, r.worker_id))
+    return ranked[:count]
