@@ -1,0 +1,218 @@
+"""gRPC client side shared by every service: channels, deadlines, retries, status -> error.
+
+Every client call has a deadline. ``call_with_retry`` gives one deadline to the whole call,
+retries included, and hands each attempt the time that is left as its gRPC timeout. It retries
+only the status codes it is told to (default: UNAVAILABLE, which gRPC returns when the call did
+not reach a server); whether a call is safe to repeat is the caller's decision. Failures come out as
+``PdserveError`` subclasses (``error_from_rpc_error``), so code above the stubs never handles raw
+gRPC errors, and a ``CapacityError`` keeps the server's ``retry_after_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from pdserve.common.errors import (
+    CapacityError,
+    DeadlineError,
+    PdserveError,
+    error_from_status,
+)
+from pdserve.common.grpc_server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RETRY_AFTER_MS_KEY,
+    STATUS_DETAILS_KEY,
+)
+from pdserve.common.settings import CommonSettings, TlsConfig
+from pdserve.common.telemetry import client_interceptors
+
+try:
+    from google.protobuf.message import DecodeError
+    from google.rpc import error_details_pb2, status_pb2
+
+    _HAS_RICH_STATUS = True
+except ImportError:  # pragma: no cover - googleapis-common-protos comes with grpcio-status/OTLP
+    _HAS_RICH_STATUS = False
+
+T = TypeVar("T")
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel arguments of every pdserve client.
+
+    Keepalive pings every 30 s, also on idle channels (pool managers hold channels to workers
+    that may sit idle), and a peer that does not answer within 10 s is declared dead, so calls
+    fail fast instead of hanging on a half-open TCP connection. The server side accepts pings
+    this often (``grpc_server.server_options``).
+    """
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    """TLS credentials: ``ca_path`` verifies the server (system roots when None); ``cert_path``
+    and ``key_path``, when set, are this client's identity for mutual TLS."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca_path.read_bytes() if tls.ca_path else None,
+        private_key=tls.key_path.read_bytes() if tls.key_path else None,
+        certificate_chain=tls.cert_path.read_bytes() if tls.cert_path else None,
+    )
+
+
+def open_channel(
+    address: str,
+    settings: CommonSettings,
+    tls: TlsConfig | None = None,
+    *,
+    tracer_provider: Any = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    options: Iterable[tuple[str, Any]] = (),
+) -> grpc.aio.Channel:
+    """An aio channel to ``address`` (``host:port``).
+
+    ``tls`` defaults to the process's own TLS files (``settings.tls``); plaintext when neither is
+    set. Tracing interceptors are added when tracing is on (they propagate ``traceparent``), then
+    ``interceptors``. ``options`` extend or override ``channel_options``. Close the channel when
+    done (``await channel.close()``).
+    """
+    merged = dict(channel_options(settings.grpc_max_message_bytes))
+    merged.update(options)
+    all_interceptors = [*client_interceptors(settings, tracer_provider), *interceptors]
+    tls = tls if tls is not None else settings.tls
+    if tls is None:
+        return grpc.aio.insecure_channel(
+            address, options=list(merged.items()), interceptors=all_interceptors or None
+        )
+    return grpc.aio.secure_channel(
+        address,
+        channel_credentials(tls),
+        options=list(merged.items()),
+        interceptors=all_interceptors or None,
+    )
+
+
+# ------------------------------------------------------------------------------ status -> error
+
+
+def _rich_details(trailing: Iterable[tuple[str, Any]]) -> tuple[float | None, str | None]:
+    """``(retry_after_s, field)`` from trailing metadata: the rich status first, then the plain
+    ``retry-after-ms`` entry. Malformed entries are ignored (a peer's bug is not our failure)."""
+    retry_after_s: float | None = None
+    field: str | None = None
+    plain_retry_after_s: float | None = None
+    for key, value in trailing:
+        if key == STATUS_DETAILS_KEY and _HAS_RICH_STATUS and isinstance(value, bytes):
+            try:
+                status = status_pb2.Status.FromString(value)
+            except DecodeError:
+                continue
+            for detail in status.details:
+                if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    info = error_details_pb2.RetryInfo()
+                    detail.Unpack(info)
+                    retry_after_s = info.retry_delay.ToMilliseconds() / 1000.0
+                elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                    bad = error_details_pb2.BadRequest()
+                    detail.Unpack(bad)
+                    if bad.field_violations:
+                        field = bad.field_violations[0].field
+        elif key == RETRY_AFTER_MS_KEY:
+            try:
+                plain_retry_after_s = max(0, int(value)) / 1000.0
+            except (TypeError, ValueError):
+                continue
+    return (retry_after_s if retry_after_s is not None else plain_retry_after_s), field
+
+
+def error_from_rpc_error(error: grpc.RpcError) -> PdserveError:
+    """The ``PdserveError`` a failed call stands for (``errors.error_from_status``), with the
+    retry delay and field the server attached. Codes with no class of their own (CANCELLED,
+    UNIMPLEMENTED, ...) give a plain ``PdserveError`` whose ``code`` is the original code."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    message = (error.details() if hasattr(error, "details") else None) or ""
+    mapped = error_from_status(code, message)
+    if type(mapped) is PdserveError:
+        mapped.code = code
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    retry_after_s, field = _rich_details(trailing or ())
+    if isinstance(mapped, CapacityError) and retry_after_s is not None:
+        mapped.retry_after_s = retry_after_s
+    if field:
+        mapped.field = field
+    return mapped
+
+
+# ---------------------------------------------------------------------------------- retries
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential backoff with full jitter: attempt ``n`` (0-based) waits a uniform random time
+    in ``[0, min(max_s, base_s * 2**n))``, so clients that failed together do not retry together."""
+
+    base_s: float = 0.05
+    max_s: float = 2.0
+
+    def delay_s(self, attempt: int, rng: Callable[[], float]) -> float:
+        return rng() * min(self.max_s, self.base_s * (2.0**attempt))
+
+
+async def call_with_retry(
+    fn: Callable[[float], Awaitable[T]],
+    *,
+    deadline_s: float,
+    retries: int = 2,
+    retry_on: Collection[grpc.StatusCode] = (grpc.StatusCode.UNAVAILABLE,),
+    backoff: Backoff = Backoff(),
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    rng: Callable[[], float] = random.random,
+) -> T:
+    """Run ``fn(timeout_s)`` until it succeeds, at most ``1 + retries`` times, within
+    ``deadline_s`` seconds in all.
+
+    ``fn`` makes one attempt and must pass ``timeout_s`` (the time left) as its call's timeout,
+    e.g. ``lambda t: stub.Reserve(request, timeout=t)``. It may raise ``grpc.RpcError`` or
+    ``PdserveError``; a code in ``retry_on`` is retried after a jittered backoff (at least the
+    server's ``retry_after_s`` for RESOURCE_EXHAUSTED), anything else is raised at once as a
+    ``PdserveError``. When no time is left for another attempt the last error is raised; when
+    none was left even for the first, ``DeadlineError``. ``clock``, ``sleep`` and ``rng`` are
+    injected for tests (monotonic seconds, ``asyncio.sleep``, uniform [0, 1)).
+    """
+    if deadline_s <= 0:
+        raise DeadlineError(f"deadline must be positive, got {deadline_s} s")
+    end = clock() + deadline_s
+    attempt = 0
+    while True:
+        remaining_s = end - clock()
+        if remaining_s <= 0:
+            raise DeadlineError(f"deadline of {deadline_s:g} s passed after {attempt} attempts")
+        try:
+            return await fn(remaining_s)
+        except (grpc.RpcError, PdserveError) as exc:
+            error = exc if isinstance(exc, PdserveError) else error_from_rpc_error(exc)
+            delay_s = backoff.delay_s(attempt, rng)
+            if isinstance(error, CapacityError):
+                delay_s = max(delay_s, error.retry_after_s)
+            is_retried = (
+                error.code in retry_on and attempt < retries and clock() + delay_s < end
+            )
+            if not is_retried:
+                if error is exc:
+                    raise
+                raise error from exc
+            await sleep(delay_s)
+            attempt += 1
