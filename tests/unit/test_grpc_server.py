@@ -60,7 +60,9 @@ class _Handlers:
             raise error
         return request
 
-    async def stream(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def stream(
+        self, request: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         yield b"one"
         yield b"two"
         error = _error_for(request)
@@ -128,7 +130,9 @@ async def _check(channel: grpc.aio.Channel, service: str) -> int:
 # ------------------------------------------------------------------------- health, reflection
 
 
-async def test_bound_port_health_and_reflection(server: GrpcServer, channel: grpc.aio.Channel) -> None:
+async def test_bound_port_health_and_reflection(
+    server: GrpcServer, channel: grpc.aio.Channel
+) -> None:
     assert server.port > 0
     assert await _check(channel, "") == health_pb2.HealthCheckResponse.SERVING
     assert await _check(channel, SERVICE) == health_pb2.HealthCheckResponse.SERVING
@@ -144,6 +148,20 @@ async def test_bound_port_health_and_reflection(server: GrpcServer, channel: grp
     names = [s.name async for r in call for s in r.list_services_response.service]
     assert SERVICE in names
     assert "grpc.health.v1.Health" in names
+
+
+async def test_start_not_serving_until_ready(handlers: _Handlers) -> None:
+    srv = GrpcServer(host="127.0.0.1", port=0)
+    srv.add_generic_handler(handlers.generic_handler())
+    await srv.start(is_serving=False)
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            assert await _check(ch, SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await _check(ch, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+            await srv.set_serving(SERVICE, True)
+            assert await _check(ch, SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await srv.stop(0)
 
 
 # ------------------------------------------------------------------------------ error mapping

@@ -20,7 +20,7 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """Wall-clock seconds since the Unix epoch (``time.time``). May jump when NTP steps the clock."""
+    """Wall-clock seconds since the Unix epoch (``time.time``); jumps when NTP steps the clock."""
 
     __slots__ = ()
 

@@ -347,9 +347,11 @@ class GrpcServer:
     def service_names(self) -> tuple[str, ...]:
         return tuple(self._service_names)
 
-    async def start(self) -> int:
-        """Bind (port 0 = any free port), start serving, mark every service SERVING; returns the
-        bound port. Raises RuntimeError when the address cannot be bound."""
+    async def start(self, *, is_serving: bool = True) -> int:
+        """Bind (port 0 = any free port), start serving, and set every service's health to
+        ``is_serving`` (False for a process that must load first, e.g. a worker in its cold
+        start; it calls ``set_serving`` when ready). Returns the bound port; raises RuntimeError
+        when the address cannot be bound."""
         self._check_not_started()
         names = [*self._service_names, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self._server)
@@ -366,7 +368,7 @@ class GrpcServer:
         self._port = port
         await self._server.start()
         for name in ("", *self._service_names):
-            await self.set_serving(name, True)
+            await self.set_serving(name, is_serving)
         logger.info(
             "gRPC server listening on %s (%s; services: %s)",
             self.address, "TLS" if self._tls else "plaintext", ", ".join(self._service_names),

@@ -202,7 +202,9 @@ def _parse_bind_host(raw: str) -> str:
     return _parse_host(text)
 
 
-HOST: Parser[str] = Parser("a host name or IP address (e.g. 127.0.0.1, 0.0.0.0, ::)", _parse_bind_host)
+HOST: Parser[str] = Parser(
+    "a host name or IP address (e.g. 127.0.0.1, 0.0.0.0, ::)", _parse_bind_host
+)
 """A host to bind or dial, returned without IPv6 brackets."""
 
 
