@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.common import metrics
 from pdserve.common.clock import Clock, ManualClock, MonotonicClock, SystemClock
+from pdserve.common.errors import CapacityError
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.settings import CommonSettings
@@ -120,6 +121,31 @@ async def test_server_span_is_child_of_client_span_across_two_hops() -> None:
     assert version == "00"
     assert int(trace_hex, 16) == front_client.context.trace_id
     assert int(span_hex, 16) == leaf_client.context.span_id
+
+
+async def test_mapped_error_status_is_recorded_on_the_server_span() -> None:
+    provider = configure_tracing("unit-test", "", 1.0, set_global=False)
+    exporter = add_in_memory_exporter(provider)
+
+    async def busy(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        raise CapacityError("no free KV blocks", retry_after_s=1.0)
+
+    server = GrpcServer.from_settings(TRACING_ON, tracer_provider=provider)
+    server.add_generic_handler(grpc.method_handlers_generic_handler(
+        SERVICE, {"Busy": grpc.unary_unary_rpc_method_handler(busy)}
+    ))
+    await server.start()
+    channel = open_channel(server.address, TRACING_ON, tracer_provider=provider)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await channel.unary_unary(f"/{SERVICE}/Busy")(b"", timeout=5)
+    finally:
+        await channel.close()
+        await server.stop(0)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    span = _span(list(exporter.get_finished_spans()), "Busy", SpanKind.SERVER)
+    assert span.attributes is not None
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 # ----------------------------------------------------------------------------------- metrics
