@@ -1,0 +1,647 @@
+"""Embedded hot state: everything in one process, for ``pdserve up`` on one machine and for tests.
+
+Same semantics, errors and clock as the Redis backend (both pass
+``tests/integration/test_state_contract.py``); the one difference is that state lives as long as
+the process. Every method runs its read-check-write without awaiting in between, under one
+``asyncio.Lock``, so each call is atomic with respect to the others, as a Lua script is in Redis.
+
+Block accounting (both backends): a ticket's blocks are *reserved* from ``open`` until
+``mark_held`` (DONE only; the running sequence now owns them) or until they are freed by
+``release``, an ABORTED/EXPIRED transition, the reaper, ``drop_worker`` or ``reconcile``.
+Reserved blocks always have a lease; a lapsed lease (deadline < now) no longer entitles its token
+to ``extend``, ``mark_held`` or a non-freeing ``transition`` (``StaleTokenError``), and the reaper
+frees it: a non-terminal ticket becomes EXPIRED, a DONE ticket never marked held keeps DONE with
+reason "lease expired before mark_held". Held blocks are freed only by ``release`` (or
+``drop_worker``/``reconcile``). ``release`` of a non-terminal ticket aborts it. Blocks are freed
+at most once: once free, ``release``/``extend``/``mark_held`` are ``StaleTokenError``.
+A ticket whose blocks are free stays readable for ``StateOptions.ticket_retention_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import uuid
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from pdserve.common.errors import (
+    CapacityError,
+    IllegalTransitionError,
+    InvalidArgumentError,
+    NotFoundError,
+    StaleTokenError,
+)
+from pdserve.state.factory import (
+    FREEING_STATES,
+    REASON_ADOPTED,
+    REASON_LEASE_EXPIRED,
+    REASON_LEASE_EXPIRED_DONE,
+    REASON_NOT_REPORTED,
+    REASON_RELEASED,
+    REASON_WORKER_DROPPED,
+    BlockHolding,
+    StateOptions,
+    format_cursor,
+    parse_cursor,
+)
+from pdserve.state.interfaces import WorkerStore
+from pdserve.state.types import (
+    TICKET_TRANSITIONS,
+    BlockReport,
+    Clock,
+    FencingToken,
+    LedgerSnapshot,
+    PoolEvent,
+    PoolEvents,
+    PoolSnapshot,
+    ReconcileResult,
+    Ticket,
+    TicketSpec,
+    TicketState,
+    WorkerLoad,
+    WorkerRecord,
+    WorkerRole,
+    WorkerState,
+)
+
+MAX_EVENTS_PER_READ = 1000
+MIN_RETRY_AFTER_S = 0.05
+MAX_RETRY_AFTER_S = 5.0
+
+
+def check_ttl(ttl_s: float, name: str = "ttl_s") -> None:
+    if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and ttl_s > 0):
+        raise InvalidArgumentError(f"{name}: a finite number > 0, got {ttl_s!r}", field=name)
+
+
+def check_count(value: int, name: str, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidArgumentError(f"{name}: an integer >= {minimum}, got {value!r}", field=name)
+
+
+def parse_report(report: BlockReport) -> dict[str, tuple[int, int]]:
+    """``ticket_id -> (attempt, num_blocks)`` from a worker's report; ``InvalidArgumentError``
+    for a malformed token, a non-positive count, a ticket named twice or more blocks than the
+    worker has."""
+    if not report.worker_id:
+        raise InvalidArgumentError("worker_id: required", field="worker_id")
+    check_count(report.num_total_blocks, "num_total_blocks", 0)
+    reported: dict[str, tuple[int, int]] = {}
+    for text, num_blocks in report.blocks_by_token.items():
+        try:
+            token = FencingToken.parse(text)
+        except ValueError:
+            token = FencingToken("", 0)
+        if not token.ticket_id or token.attempt < 1:
+            raise InvalidArgumentError(
+                f"blocks_by_token: bad token {text!r}", field="blocks_by_token"
+            )
+        check_count(num_blocks, "blocks_by_token", 1)
+        if token.ticket_id in reported:
+            raise InvalidArgumentError(
+                f"blocks_by_token: ticket {token.ticket_id} named twice", field="blocks_by_token"
+            )
+        reported[token.ticket_id] = (token.attempt, num_blocks)
+    num_reported = sum(num_blocks for _, num_blocks in reported.values())
+    if num_reported > report.num_total_blocks:
+        raise InvalidArgumentError(
+            f"blocks_by_token: {num_reported} blocks reported, worker has "
+            f"{report.num_total_blocks}",
+            field="blocks_by_token",
+        )
+    return reported
+
+
+def retry_after_s(now: float, lease_deadlines_s: list[float]) -> float:
+    """Capacity retry hint: until the earliest lease on the worker lapses, within bounds."""
+    if not lease_deadlines_s:
+        return 1.0
+    return min(max(min(lease_deadlines_s) - now, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
+
+
+@dataclass(slots=True)
+class _Ledger:
+    num_total_blocks: int
+    num_reserved_blocks: int = 0
+    num_held_blocks: int = 0
+
+    def snapshot(self, worker_id: str) -> LedgerSnapshot:
+        return LedgerSnapshot(
+            worker_id, self.num_total_blocks, self.num_reserved_blocks, self.num_held_blocks
+        )
+
+
+@dataclass(slots=True)
+class _Entry:
+    ticket: Ticket
+    holding: BlockHolding
+    purge_s: float | None = None
+
+
+class MemoryTicketLedger:
+    """``TicketLedger`` in process memory (see the module docstring for the block rules)."""
+
+    def __init__(self, clock: Clock, options: StateOptions, lock: asyncio.Lock) -> None:
+        self._clock = clock
+        self._options = options
+        self._lock = lock
+        self._ledgers: dict[str, _Ledger] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._ticket_ids_by_worker: dict[str, set[str]] = {}
+        self._leases_by_worker: dict[str, dict[str, float]] = {}
+        self._purge_heap: list[tuple[float, str]] = []
+
+    async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
+        if not worker_id:
+            raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_count(num_total_blocks, "num_total_blocks", 0)
+        async with self._lock:
+            ledger = self._ledgers.setdefault(worker_id, _Ledger(num_total_blocks))
+            ledger.num_total_blocks = num_total_blocks
+            self._leases_by_worker.setdefault(worker_id, {})
+            return ledger.snapshot(worker_id)
+
+    async def drop_worker(self, worker_id: str) -> list[Ticket]:
+        async with self._lock:
+            now = self._now()
+            aborted = []
+            for entry in self._live_entries(worker_id):
+                if entry.ticket.state.is_terminal:
+                    self._free(entry, now, reason=entry.ticket.reason or REASON_WORKER_DROPPED)
+                else:
+                    aborted.append(
+                        self._free(
+                            entry, now, state=TicketState.ABORTED, reason=REASON_WORKER_DROPPED
+                        )
+                    )
+            self._ledgers.pop(worker_id, None)
+            self._leases_by_worker.pop(worker_id, None)
+            return _ordered(aborted)
+
+    async def open(self, spec: TicketSpec) -> Ticket:
+        check_count(spec.num_prompt_tokens, "num_prompt_tokens", 0)
+        async with self._lock:
+            now = self._now()
+            ledger = self._ledgers.get(spec.decode_worker_id)
+            if ledger is None:
+                raise InvalidArgumentError(
+                    f"unknown decode worker {spec.decode_worker_id!r}", field="decode_worker_id"
+                )
+            check_count(spec.num_blocks, "num_blocks", 1)
+            if spec.num_blocks > ledger.num_total_blocks:
+                raise InvalidArgumentError(
+                    f"num_blocks: {spec.num_blocks} is more than decode worker "
+                    f"{spec.decode_worker_id!r} has ({ledger.num_total_blocks})",
+                    field="num_blocks",
+                )
+            check_ttl(spec.lease_s, "lease_s")
+            leases = self._leases_by_worker[spec.decode_worker_id]
+            num_free = ledger.snapshot(spec.decode_worker_id).num_free_blocks
+            if num_free < spec.num_blocks:
+                raise CapacityError(
+                    f"decode worker {spec.decode_worker_id!r} has {num_free} free blocks, "
+                    f"{spec.num_blocks} asked",
+                    retry_after_s=retry_after_s(now, list(leases.values())),
+                )
+            ticket = Ticket(
+                token=FencingToken.new(),
+                deployment=spec.deployment,
+                decode_worker_id=spec.decode_worker_id,
+                prefill_worker_id=spec.prefill_worker_id,
+                num_blocks=spec.num_blocks,
+                state=TicketState.OPEN,
+                is_held=False,
+                lease_deadline_s=now + spec.lease_s,
+                created_s=now,
+                updated_s=now,
+                request_id=spec.request_id,
+                num_prompt_tokens=spec.num_prompt_tokens,
+            )
+            ledger.num_reserved_blocks += spec.num_blocks
+            leases[ticket.token.ticket_id] = ticket.lease_deadline_s
+            self._entries[ticket.token.ticket_id] = _Entry(ticket, BlockHolding.RESERVED)
+            self._ticket_ids_by_worker.setdefault(spec.decode_worker_id, set()).add(
+                ticket.token.ticket_id
+            )
+            return ticket
+
+    async def get(self, token: FencingToken) -> Ticket:
+        async with self._lock:
+            return self._entry(token, self._now()).ticket
+
+    async def find(self, ticket_id: str) -> Ticket | None:
+        async with self._lock:
+            self._now()
+            entry = self._entries.get(ticket_id)
+            return entry.ticket if entry else None
+
+    async def transition(
+        self, token: FencingToken, state: TicketState, reason: str = ""
+    ) -> Ticket:
+        state = TicketState(state)
+        async with self._lock:
+            now = self._now()
+            entry = self._entry(token, now)
+            current = entry.ticket.state
+            if state not in TICKET_TRANSITIONS[current]:
+                raise IllegalTransitionError(
+                    f"ticket {token.ticket_id}: {current} -> {state} is not allowed"
+                )
+            reason = reason or entry.ticket.reason
+            if state in FREEING_STATES:
+                return self._free(entry, now, state=state, reason=reason)
+            self._check_lease(entry, now)
+            entry.ticket = replace(entry.ticket, state=state, reason=reason, updated_s=now)
+            return entry.ticket
+
+    async def extend(self, token: FencingToken, lease_s: float) -> Ticket:
+        check_ttl(lease_s, "lease_s")
+        async with self._lock:
+            now = self._now()
+            entry = self._entry(token, now)
+            self._check_owned(entry)
+            if entry.holding is BlockHolding.HELD:
+                raise IllegalTransitionError(f"ticket {token.ticket_id} is held: it has no lease")
+            self._check_lease(entry, now)
+            entry.ticket = replace(entry.ticket, lease_deadline_s=now + lease_s, updated_s=now)
+            self._leases_by_worker[entry.ticket.decode_worker_id][token.ticket_id] = (
+                entry.ticket.lease_deadline_s
+            )
+            return entry.ticket
+
+    async def mark_held(self, token: FencingToken) -> Ticket:
+        async with self._lock:
+            now = self._now()
+            entry = self._entry(token, now)
+            if entry.ticket.state is not TicketState.DONE:
+                raise IllegalTransitionError(
+                    f"ticket {token.ticket_id} is {entry.ticket.state}: only DONE can be held"
+                )
+            self._check_owned(entry)
+            if entry.holding is BlockHolding.HELD:
+                return entry.ticket
+            self._check_lease(entry, now)
+            worker_id = entry.ticket.decode_worker_id
+            ledger = self._ledgers[worker_id]
+            ledger.num_reserved_blocks -= entry.ticket.num_blocks
+            ledger.num_held_blocks += entry.ticket.num_blocks
+            self._leases_by_worker[worker_id].pop(token.ticket_id, None)
+            entry.holding = BlockHolding.HELD
+            entry.ticket = replace(entry.ticket, is_held=True, lease_deadline_s=0.0, updated_s=now)
+            return entry.ticket
+
+    async def release(self, token: FencingToken) -> Ticket:
+        async with self._lock:
+            now = self._now()
+            entry = self._entry(token, now)
+            self._check_owned(entry)
+            reason = entry.ticket.reason or REASON_RELEASED
+            if entry.ticket.state.is_terminal:
+                return self._free(entry, now, reason=reason)
+            return self._free(entry, now, state=TicketState.ABORTED, reason=reason)
+
+    async def reap_expired(self, worker_id: str | None = None) -> list[Ticket]:
+        async with self._lock:
+            now = self._now()
+            worker_ids = [worker_id] if worker_id is not None else list(self._leases_by_worker)
+            expired = []
+            for one_worker_id in worker_ids:
+                leases = self._leases_by_worker.get(one_worker_id, {})
+                for ticket_id, deadline_s in list(leases.items()):
+                    if deadline_s >= now:
+                        continue
+                    entry = self._entries[ticket_id]
+                    if entry.ticket.state.is_terminal:
+                        expired.append(self._free(entry, now, reason=REASON_LEASE_EXPIRED_DONE))
+                    else:
+                        expired.append(
+                            self._free(
+                                entry, now, state=TicketState.EXPIRED, reason=REASON_LEASE_EXPIRED
+                            )
+                        )
+            return _ordered(expired)
+
+    async def snapshot(self, worker_id: str) -> LedgerSnapshot:
+        async with self._lock:
+            ledger = self._ledgers.get(worker_id)
+            if ledger is None:
+                raise NotFoundError(f"no ledger for decode worker {worker_id!r}")
+            return ledger.snapshot(worker_id)
+
+    async def list_tickets(
+        self, worker_id: str | None = None, state: TicketState | None = None
+    ) -> list[Ticket]:
+        async with self._lock:
+            self._now()
+            if worker_id is None:
+                entries = list(self._entries.values())
+            else:
+                ids = self._ticket_ids_by_worker.get(worker_id, set())
+                entries = [self._entries[ticket_id] for ticket_id in ids]
+            return _ordered(
+                [e.ticket for e in entries if state is None or e.ticket.state is state]
+            )
+
+    async def reconcile(self, report: BlockReport) -> ReconcileResult:
+        reported = parse_report(report)
+        worker_id = report.worker_id
+        async with self._lock:
+            now = self._now()
+            ledger = self._ledgers.setdefault(worker_id, _Ledger(report.num_total_blocks))
+            ledger.num_total_blocks = report.num_total_blocks
+            self._leases_by_worker.setdefault(worker_id, {})
+            adopted = []
+            for ticket_id, (attempt, num_blocks) in sorted(reported.items()):
+                if ticket_id not in self._entries:
+                    token = FencingToken(ticket_id, attempt)
+                    adopted.append(self._adopt(worker_id, token, num_blocks, now))
+            released = []
+            cutoff_s = now - self._options.reconcile_grace_s
+            for entry in self._live_entries(worker_id):
+                token = entry.ticket.token
+                if reported.get(token.ticket_id, (0, 0))[0] == token.attempt:
+                    continue
+                if entry.ticket.created_s >= cutoff_s:
+                    continue
+                new_state = None if entry.ticket.state.is_terminal else TicketState.ABORTED
+                self._free(entry, now, state=new_state, reason=REASON_NOT_REPORTED)
+                released.append(str(token))
+            return ReconcileResult(
+                released=tuple(sorted(released)),
+                adopted=tuple(sorted(adopted)),
+                snapshot=ledger.snapshot(worker_id),
+            )
+
+    # -- internals (call with the lock held) ---------------------------------------------------
+
+    def _now(self) -> float:
+        """The clock reading, after forgetting tickets whose retention ended."""
+        now = self._clock()
+        while self._purge_heap and self._purge_heap[0][0] <= now:
+            _, ticket_id = heapq.heappop(self._purge_heap)
+            entry = self._entries.get(ticket_id)
+            if entry is not None and entry.purge_s is not None and entry.purge_s <= now:
+                del self._entries[ticket_id]
+                ids = self._ticket_ids_by_worker.get(entry.ticket.decode_worker_id)
+                if ids is not None:
+                    ids.discard(ticket_id)
+                    if not ids:
+                        del self._ticket_ids_by_worker[entry.ticket.decode_worker_id]
+        return now
+
+    def _entry(self, token: FencingToken, now: float) -> _Entry:
+        entry = self._entries.get(token.ticket_id)
+        if entry is None:
+            raise StaleTokenError(f"unknown ticket {token.ticket_id}")
+        if entry.ticket.token.attempt != token.attempt:
+            raise StaleTokenError(
+                f"ticket {token.ticket_id} is at attempt {entry.ticket.token.attempt}, "
+                f"not {token.attempt}"
+            )
+        return entry
+
+    @staticmethod
+    def _check_owned(entry: _Entry) -> None:
+        if entry.holding is BlockHolding.FREE:
+            raise StaleTokenError(
+                f"ticket {entry.ticket.token.ticket_id} no longer owns blocks "
+                f"({entry.ticket.state}, {entry.ticket.reason or 'freed'})"
+            )
+
+    @staticmethod
+    def _check_lease(entry: _Entry, now: float) -> None:
+        if entry.holding is BlockHolding.RESERVED and entry.ticket.lease_deadline_s < now:
+            raise StaleTokenError(f"ticket {entry.ticket.token.ticket_id}: lease lapsed")
+
+    def _live_entries(self, worker_id: str) -> list[_Entry]:
+        ids = self._ticket_ids_by_worker.get(worker_id, set())
+        entries = [self._entries[ticket_id] for ticket_id in ids]
+        live = [entry for entry in entries if entry.holding is not BlockHolding.FREE]
+        return sorted(live, key=lambda e: (e.ticket.created_s, e.ticket.token.ticket_id))
+
+    def _free(
+        self, entry: _Entry, now: float, *, state: TicketState | None = None, reason: str
+    ) -> Ticket:
+        """Give the entry's blocks back to its ledger (if the ledger still exists) exactly once."""
+        assert entry.holding is not BlockHolding.FREE
+        worker_id = entry.ticket.decode_worker_id
+        ledger = self._ledgers.get(worker_id)
+        if ledger is not None:
+            if entry.holding is BlockHolding.RESERVED:
+                ledger.num_reserved_blocks -= entry.ticket.num_blocks
+            else:
+                ledger.num_held_blocks -= entry.ticket.num_blocks
+        self._leases_by_worker.get(worker_id, {}).pop(entry.ticket.token.ticket_id, None)
+        entry.holding = BlockHolding.FREE
+        entry.purge_s = now + self._options.ticket_retention_s
+        heapq.heappush(self._purge_heap, (entry.purge_s, entry.ticket.token.ticket_id))
+        entry.ticket = replace(
+            entry.ticket,
+            state=state or entry.ticket.state,
+            is_held=False,
+            reason=reason,
+            updated_s=now,
+        )
+        return entry.ticket
+
+    def _adopt(self, worker_id: str, token: FencingToken, num_blocks: int, now: float) -> str:
+        ticket = Ticket(
+            token=token,
+            deployment="",
+            decode_worker_id=worker_id,
+            prefill_worker_id="",
+            num_blocks=num_blocks,
+            state=TicketState.DONE,
+            is_held=True,
+            lease_deadline_s=0.0,
+            created_s=now,
+            updated_s=now,
+            reason=REASON_ADOPTED,
+        )
+        self._entries[token.ticket_id] = _Entry(ticket, BlockHolding.HELD)
+        self._ticket_ids_by_worker.setdefault(worker_id, set()).add(token.ticket_id)
+        self._ledgers[worker_id].num_held_blocks += num_blocks
+        return str(token)
+
+
+def _ordered(tickets: list[Ticket]) -> list[Ticket]:
+    return sorted(tickets, key=lambda t: (t.created_s, t.token.ticket_id))
+
+
+class MemoryWorkerStore:
+    """``WorkerStore`` in process memory; a record expires ``ttl_s`` after its last upsert or
+    heartbeat, on the injected clock."""
+
+    def __init__(self, clock: Clock, lock: asyncio.Lock) -> None:
+        self._clock = clock
+        self._lock = lock
+        self._records: dict[str, tuple[WorkerRecord, float]] = {}
+
+    async def upsert(self, worker: WorkerRecord, ttl_s: float) -> None:
+        if not worker.worker_id:
+            raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_ttl(ttl_s)
+        async with self._lock:
+            self._records[worker.worker_id] = (worker, self._clock() + ttl_s)
+
+    async def heartbeat(self, worker_id: str, load: WorkerLoad, ttl_s: float) -> WorkerRecord:
+        check_ttl(ttl_s)
+        async with self._lock:
+            now = self._clock()
+            record = self._require(worker_id, now)
+            record = replace(record, load=load, last_heartbeat_s=now)
+            self._records[worker_id] = (record, now + ttl_s)
+            return record
+
+    async def set_state(self, worker_id: str, state: WorkerState) -> WorkerRecord:
+        state = WorkerState(state)
+        async with self._lock:
+            now = self._clock()
+            record = replace(self._require(worker_id, now), state=state)
+            self._records[worker_id] = (record, self._records[worker_id][1])
+            return record
+
+    async def get(self, worker_id: str) -> WorkerRecord | None:
+        async with self._lock:
+            return self._live(worker_id, self._clock())
+
+    async def list(
+        self, deployment: str | None = None, role: WorkerRole | None = None
+    ) -> list[WorkerRecord]:
+        async with self._lock:
+            now = self._clock()
+            records = [self._live(worker_id, now) for worker_id in sorted(self._records)]
+            return [
+                r
+                for r in records
+                if r is not None
+                and (deployment is None or r.deployment == deployment)
+                and (role is None or r.role == role)
+            ]
+
+    async def remove(self, worker_id: str) -> None:
+        async with self._lock:
+            self._records.pop(worker_id, None)
+
+    def _live(self, worker_id: str, now: float) -> WorkerRecord | None:
+        item = self._records.get(worker_id)
+        if item is None:
+            return None
+        if item[1] <= now:
+            del self._records[worker_id]
+            return None
+        return item[0]
+
+    def _require(self, worker_id: str, now: float) -> WorkerRecord:
+        record = self._live(worker_id, now)
+        if record is None:
+            raise NotFoundError(f"no worker {worker_id!r} (expired or never registered)")
+        return record
+
+
+@dataclass(slots=True)
+class _Stream:
+    max_len: int
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)
+    last_seq: int = 0
+    entries: deque[tuple[int, PoolEvent]] = field(init=False)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def __post_init__(self) -> None:
+        self.entries = deque(maxlen=self.max_len)
+
+    def collect(self, cursor: str) -> PoolEvents:
+        """Events after ``cursor``, or a gap if some of them are gone (or the cursor is from
+        another epoch, i.e. another store)."""
+        head = format_cursor(self.epoch, self.last_seq)
+        parsed = parse_cursor(cursor)
+        if parsed is None or parsed[0] != self.epoch or parsed[1] > self.last_seq:
+            return PoolEvents((), head, is_gap=True)
+        seq = parsed[1]
+        if seq == self.last_seq:
+            return PoolEvents((), cursor, is_gap=False)
+        first_seq = self.entries[0][0] if self.entries else self.last_seq + 1
+        if first_seq > seq + 1:
+            return PoolEvents((), head, is_gap=True)
+        events = tuple(e for s, e in self.entries if s > seq)[:MAX_EVENTS_PER_READ]
+        return PoolEvents(events, events[-1].cursor, is_gap=False)
+
+
+class MemoryPoolEventStream:
+    """``PoolEventStream`` in process memory: the last ``stream_max_len`` events per deployment.
+    The epoch is new per process, so a cursor from another process is always a gap."""
+
+    def __init__(self, options: StateOptions) -> None:
+        self._options = options
+        self._streams: dict[str, _Stream] = {}
+
+    def _stream(self, deployment: str) -> _Stream:
+        stream = self._streams.get(deployment)
+        if stream is None:
+            stream = self._streams[deployment] = _Stream(self._options.stream_max_len)
+        return stream
+
+    async def publish(self, event: PoolEvent) -> str:
+        if not event.deployment:
+            raise InvalidArgumentError("deployment: required", field="deployment")
+        stream = self._stream(event.deployment)
+        stream.last_seq += 1
+        cursor = format_cursor(stream.epoch, stream.last_seq)
+        stream.entries.append((stream.last_seq, replace(event, cursor=cursor)))
+        async with stream.changed:
+            stream.changed.notify_all()
+        return cursor
+
+    async def read(self, deployment: str, cursor: str, timeout_s: float = 0.0) -> PoolEvents:
+        stream = self._stream(deployment)
+        result = stream.collect(cursor)
+        if result.events or result.is_gap or timeout_s <= 0:
+            return result
+        seq = stream.last_seq
+        async with stream.changed:
+            try:
+                await asyncio.wait_for(
+                    stream.changed.wait_for(lambda: stream.last_seq > seq), timeout_s
+                )
+            except TimeoutError:
+                return result
+        return stream.collect(cursor)
+
+    async def snapshot(self, deployment: str, workers: WorkerStore) -> PoolSnapshot:
+        stream = self._stream(deployment)
+        cursor = format_cursor(stream.epoch, stream.last_seq)
+        return PoolSnapshot(tuple(await workers.list(deployment)), cursor)
+
+
+class MemoryTargetStore:
+    def __init__(self) -> None:
+        self._targets: dict[tuple[str, WorkerRole], int] = {}
+
+    async def set_target(self, deployment: str, role: WorkerRole, num_workers: int) -> None:
+        if not deployment:
+            raise InvalidArgumentError("deployment: required", field="deployment")
+        check_count(num_workers, "num_workers", 0)
+        self._targets[(deployment, WorkerRole(role))] = num_workers
+
+    async def get_target(self, deployment: str, role: WorkerRole) -> int | None:
+        return self._targets.get((deployment, WorkerRole(role)))
+
+
+class MemoryStateBackend:
+    """``StateBackend`` for one process. ``clock`` is the coordinator's clock."""
+
+    def __init__(self, clock: Clock, options: StateOptions | None = None) -> None:
+        options = options or StateOptions()
+        lock = asyncio.Lock()
+        self.workers = MemoryWorkerStore(clock, lock)
+        self.tickets = MemoryTicketLedger(clock, options, lock)
+        self.events = MemoryPoolEventStream(options)
+        self.targets = MemoryTargetStore()
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,104 @@
+"""A private ``redis-server`` on a free port in a temporary folder, which a test may stop and
+restart at will (unlike the shared Redis that ``redis_url`` names, which tests never restart).
+
+    with private_redis() as server:
+        backend = open_backend(server.url, clock)
+        ...
+        server.restart()   # every key is gone: no persistence (--save "", --appendonly no)
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+START_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class PrivateRedis:
+    """One redis-server process owned by the test; ``restart`` keeps the port, loses the data."""
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not on PATH; install Redis to run this test")
+        self._binary = binary
+        self._directory = directory
+        self.port = port or free_port()
+        self._process: subprocess.Popen[bytes] | None = None
+        self.num_starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert self._process is None, "already running"
+        log = open(self._directory / f"redis-{self.num_starts}.log", "wb")  # noqa: SIM115
+        self._process = subprocess.Popen(
+            [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self._directory), "--daemonize", "no"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.num_starts += 1
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _answers_ping(self.port):
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5.0)
+
+    def restart(self) -> None:
+        """Stop and start on the same port; all data is lost."""
+        self.stop()
+        self.start()
+
+
+@contextmanager
+def private_redis() -> Iterator[PrivateRedis]:
+    """A started private Redis, stopped (and its folder removed) on exit."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-redis-") as directory:
+        server = PrivateRedis(Path(directory))
+        try:
+            server.start()
+        except RuntimeError:
+            server = PrivateRedis(Path(directory))  # the free port was taken meanwhile
+            server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
