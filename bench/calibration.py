@@ -38,11 +38,13 @@ def _pct(value: float) -> str:
 def print_table(result: cal.CalibrationResult) -> None:
     rows: dict[tuple[str, str, int], dict[cal.Phase, cal.GroupError]] = {}
     for group in result.groups:
-        rows.setdefault((group.model_name, group.gpu_name, group.tp_size), {})[group.phase] = group
-    header = (f"{'model':<12} {'gpu':<15} {'tp':>2} | {'prefill before':^15} | "
-              f"{'prefill after':^15} | {'decode before':^15} | {'decode after':^15}")
+        key = (group.model_name, group.gpu_name, group.tp_size or 0)  # 0: all TP sizes
+        rows.setdefault(key, {})[group.phase] = group
+    header = (f"{'model':<12} {'gpu':<15} {'tp':>3}|" + "|".join(
+        f"{title:^17}" for title in ("prefill before", "prefill after", "decode before",
+                                     "decode after")))
     print(header)
-    print(f"{'':<32} |" + "   median    p90 |" * 4)
+    print(f"{'':<32}|" + "|".join(f"{'median    p90':^17}" for _ in range(4)))
     print("-" * len(header))
     for (model, gpu, tp), by_phase in sorted(rows.items()):
         cells = []
@@ -50,7 +52,8 @@ def print_table(result: cal.CalibrationResult) -> None:
             group = by_phase[phase]
             cells.append(f" {_pct(group.before.median)} {_pct(group.before.p90)} ")
             cells.append(f" {_pct(group.after.median)} {_pct(group.after.p90)} ")
-        print(f"{model:<12} {gpu:<15} {tp:>2} |" + "|".join(f"{c:^17}" for c in cells))
+        tp_text = str(tp) if tp else "all"
+        print(f"{model:<12} {gpu:<15} {tp_text:>3}|" + "|".join(f"{c:^17}" for c in cells))
 
 
 def print_overall(title: str, errors: tuple[tuple[cal.Phase, cal.PhaseError], ...]) -> None:

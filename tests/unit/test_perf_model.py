@@ -18,7 +18,6 @@ from pdserve.capacity.perf_model import (
     PerfModel,
     calibrated_efficiency,
     perf_model_for,
-    roofline_time_s,
 )
 from pdserve.common.errors import InvalidArgumentError
 
@@ -73,6 +72,14 @@ def test_decode_is_memory_bound_at_batch_one_and_tp_shortens_it() -> None:
     assert times[0] > weights_s
 
 
+def test_fp8_weights_use_the_fp8_peak_where_the_gpu_has_one() -> None:
+    deepseek, llama = get_model("deepseek-v3"), get_model("llama-3.1-70b")
+    h200, a100 = get_gpu("h200"), get_gpu("a100-80g")
+    assert PerfModel(deepseek, h200, 8).peak_flops_per_s == h200.peak_fp8_flops_per_s
+    assert PerfModel(llama, h200, 8).peak_flops_per_s == h200.peak_bf16_flops_per_s
+    assert PerfModel(deepseek, a100, 8).peak_flops_per_s == a100.peak_bf16_flops_per_s
+
+
 def test_moe_small_batches_read_only_the_experts_they_touch() -> None:
     perf = _model(("mixtral-8x7b", "h100", 1))
     model = perf.model
@@ -94,12 +101,11 @@ def test_prompt_kv_bytes_follow_the_capacity_model() -> None:
 @pytest.mark.parametrize("case", CASES[:6])
 def test_work_terms_reproduce_the_hot_path(case: tuple[str, str, int]) -> None:
     perf = _model(case)
-    eff, gpu = perf.efficiency, perf.gpu
     lens = [300, 2000, 7]
-    assert roofline_time_s(perf.prefill_work(lens), gpu, eff, is_prefill=True) == pytest.approx(
+    assert perf.time_for_s(perf.prefill_work(lens), is_prefill=True) == pytest.approx(
         perf.prefill_time_s(lens), rel=1e-12)
-    assert roofline_time_s(perf.decode_work(24, 50_000), gpu, eff, is_prefill=False) == (
-        pytest.approx(perf.decode_step_time_s(24, 50_000), rel=1e-12))
+    assert perf.time_for_s(perf.decode_work(24, 50_000), is_prefill=False) == pytest.approx(
+        perf.decode_step_time_s(24, 50_000), rel=1e-12)
 
 
 def test_vectorised_calibration_predictions_match_the_hot_path() -> None:

@@ -82,11 +82,12 @@ class PhaseError:
 
 @dataclass(frozen=True, slots=True)
 class GroupError:
-    """Error of one phase on one (model, GPU, TP) group, before and after calibration."""
+    """Error of one phase on one (model, GPU, TP) group, before and after calibration.
+    ``tp_size`` is ``None`` for the group of all TP sizes of that (model, GPU)."""
 
     model_name: str
     gpu_name: str
-    tp_size: int
+    tp_size: int | None
     phase: Phase
     before: PhaseError
     after: PhaseError
@@ -170,9 +171,8 @@ class _Design:
             else:
                 works.append(perf.decode_work(point.batch_size,
                                               point.batch_size * point.prompt_tokens))
-            gpu = perf.gpu
-            hardware.append((gpu.peak_bf16_flops_per_s, gpu.hbm_bytes_per_s,
-                             gpu.nvlink_bytes_per_s))
+            hardware.append((perf.peak_flops_per_s, perf.gpu.hbm_bytes_per_s,
+                             perf.gpu.nvlink_bytes_per_s))
         self.flops = np.array([w.flops for w in works])
         self.memory_bytes = np.array([w.memory_bytes for w in works])
         self.comm_bytes = np.array([w.comm_bytes for w in works])
@@ -285,7 +285,8 @@ def predict_s(samples: Sequence[ProfileSample], efficiency: Efficiency,
 
 def calibrate(samples: Sequence[ProfileSample], baseline: Efficiency = Efficiency(),
               catalog: Catalog | None = None) -> CalibrationResult:
-    """Fit per (model, GPU) and per GPU; report errors per (model, GPU, TP, phase) and overall.
+    """Fit per (model, GPU) and per GPU; report errors per phase for each (model, GPU, TP), each
+    (model, GPU) over all its TP sizes, and overall.
 
     "Before" is ``baseline``; "after" is the (model, GPU) fit. Every fit starts from
     ``baseline``.
@@ -307,11 +308,12 @@ def calibrate(samples: Sequence[ProfileSample], baseline: Efficiency = Efficienc
         after[indices] = predict_s(group, pair_fits[key], catalog)
     measured = np.array([s.point.measured_s for s in samples])
 
+    keys = {(s.model_name, s.gpu_name, s.point.tp_size, s.point.phase) for s in samples}
+    keys |= {(model_name, gpu_name, None, phase) for model_name, gpu_name, _, phase in keys}
     groups: list[GroupError] = []
-    keys = sorted({(s.model_name, s.gpu_name, s.point.tp_size, s.point.phase) for s in samples})
-    for model_name, gpu_name, tp, phase in keys:
-        mask = np.array([(s.model_name, s.gpu_name, s.point.tp_size, s.point.phase)
-                         == (model_name, gpu_name, tp, phase) for s in samples])
+    for model_name, gpu_name, tp, phase in sorted(keys, key=lambda k: (*k[:2], k[2] or 0, k[3])):
+        mask = np.array([(s.model_name, s.gpu_name, s.point.phase) == (model_name, gpu_name, phase)
+                         and tp in (None, s.point.tp_size) for s in samples])
         groups.append(GroupError(model_name, gpu_name, tp, phase,
                                  phase_error(before[mask], measured[mask]),
                                  phase_error(after[mask], measured[mask])))

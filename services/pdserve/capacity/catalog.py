@@ -36,7 +36,10 @@ class AttentionKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
-    """One GPU model. Link bandwidths are per GPU and per direction.
+    """One GPU model. FLOP/s are dense; link bandwidths are per GPU and per direction.
+
+    ``peak_fp8_flops_per_s`` is 0 for GPUs without FP8 tensor cores (engines then run FP8
+    weights through BF16 math).
 
     ``calibration_proxy`` names the catalog GPU whose fitted efficiency factors stand in when this
     GPU has none of its own (same generation and software stack), or is ``None``.
@@ -45,12 +48,19 @@ class GpuSpec:
     name: str
     memory_bytes: int
     peak_bf16_flops_per_s: float
+    peak_fp8_flops_per_s: float
     hbm_bytes_per_s: float
     nvlink_bytes_per_s: float
     nic_bytes_per_s: float
     calibration_proxy: str | None = None
     aliases: tuple[str, ...] = ()
     sources: tuple[tuple[str, str], ...] = ()
+
+    def peak_flops_per_s(self, dtype_bytes: int) -> float:
+        """Dense peak for matrix products on weights of ``dtype_bytes`` (1 = FP8, else BF16)."""
+        if dtype_bytes == 1 and self.peak_fp8_flops_per_s > 0:
+            return self.peak_fp8_flops_per_s
+        return self.peak_bf16_flops_per_s
 
     def source_of(self, field_name: str) -> str:
         """The citation for one numeric field."""
@@ -190,10 +200,14 @@ def _gpu_from_entry(entry: Mapping[str, Any]) -> GpuSpec:
         value = entry.get(key)
         if not isinstance(value, int | float) or value <= 0:
             raise ConfigError(f"{where}: {key} must be a positive number, got {value!r}")
+    fp8 = entry.get("peak_fp8_flops_per_s", 0)
+    if not isinstance(fp8, int | float) or fp8 < 0:
+        raise ConfigError(f"{where}: peak_fp8_flops_per_s must be >= 0, got {fp8!r}")
     return GpuSpec(
         name=_normalise(entry["name"]),
         memory_bytes=int(entry["memory_bytes"]),
         peak_bf16_flops_per_s=float(entry["peak_bf16_flops_per_s"]),
+        peak_fp8_flops_per_s=float(fp8),
         hbm_bytes_per_s=float(entry["hbm_bytes_per_s"]),
         nvlink_bytes_per_s=float(entry["nvlink_bytes_per_s"]),
         nic_bytes_per_s=float(entry["nic_bytes_per_s"]),

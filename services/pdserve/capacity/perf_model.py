@@ -147,8 +147,8 @@ class PerfModel:
             "_comm_bytes_per_token": (
                 2.0 * model.num_layers * model.hidden_size * ACTIVATION_BYTES * ring),
             "_comm_steps": 2.0 * model.num_layers * 2 * (tp - 1),
-            "_prefill_flops_per_s": self.gpu.peak_bf16_flops_per_s * eff.prefill_mfu,
-            "_decode_flops_per_s": self.gpu.peak_bf16_flops_per_s * eff.decode_mfu,
+            "_prefill_flops_per_s": self.peak_flops_per_s * eff.prefill_mfu,
+            "_decode_flops_per_s": self.peak_flops_per_s * eff.decode_mfu,
             "_bytes_per_s": self.gpu.hbm_bytes_per_s * eff.mbu,
         }
         derived["_comm_s_per_token"] = derived["_comm_bytes_per_token"] / (
@@ -156,6 +156,11 @@ class PerfModel:
         derived["_comm_latency_s"] = derived["_comm_steps"] * eff.allreduce_latency_s
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def peak_flops_per_s(self) -> float:
+        """Dense peak of one GPU for this model's weight type (FP8 where the GPU has it)."""
+        return self.gpu.peak_flops_per_s(self.model.dtype_bytes)
 
     # -- hot path -------------------------------------------------------------------------
 
@@ -250,6 +255,21 @@ class PerfModel:
             comm_steps=self._comm_steps,
         )
 
+    def time_for_s(self, work: PhaseWork, *, is_prefill: bool) -> float:
+        """Seconds for ``work`` under this model's efficiency (the module docstring's formula).
+
+        Equal to ``prefill_time_s`` / ``decode_step_time_s`` for the work they cost; slower
+        (it is not the hot path), but it is the formula ``calibration`` vectorises.
+        """
+        eff = self.efficiency
+        mfu = eff.prefill_mfu if is_prefill else eff.decode_mfu
+        overhead_s = eff.prefill_overhead_s if is_prefill else eff.decode_overhead_s
+        compute_s = work.flops / (self.peak_flops_per_s * mfu)
+        memory_s = work.memory_bytes / (self.gpu.hbm_bytes_per_s * eff.mbu)
+        comm_s = work.comm_bytes / (self.gpu.nvlink_bytes_per_s * eff.link_efficiency)
+        return (max(compute_s, memory_s) + comm_s + work.comm_steps * eff.allreduce_latency_s
+                + overhead_s)
+
     def with_efficiency(self, efficiency: Efficiency) -> PerfModel:
         return PerfModel(self.model, self.gpu, self.tp_size, efficiency)
 
@@ -284,16 +304,3 @@ def perf_model_for(model_name: str, gpu_name: str, tp_size: int = 1,
     if efficiency is None:
         efficiency, _ = calibrated_efficiency(model_name, gpu_name)
     return PerfModel(get_model(model_name), get_gpu(gpu_name), tp_size, efficiency)
-
-
-def roofline_time_s(work: PhaseWork, gpu: GpuSpec, efficiency: Efficiency, *,
-                    is_prefill: bool) -> float:
-    """Seconds for ``work`` under ``efficiency`` (the formula of the module docstring)."""
-    mfu = efficiency.prefill_mfu if is_prefill else efficiency.decode_mfu
-    overhead_s = efficiency.prefill_overhead_s if is_prefill else efficiency.decode_overhead_s
-    compute_s = work.flops / (gpu.peak_bf16_flops_per_s * mfu)
-    memory_s = work.memory_bytes / (gpu.hbm_bytes_per_s * efficiency.mbu)
-    comm_s = work.comm_bytes / (gpu.nvlink_bytes_per_s * efficiency.link_efficiency)
-    return (max(compute_s, memory_s) + comm_s + work.comm_steps * efficiency.allreduce_latency_s
-            + overhead_s)
-
