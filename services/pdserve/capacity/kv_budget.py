@@ -88,14 +88,16 @@ def weights_bytes_per_gpu(model: ModelSpec, tp_size: int = 1) -> int:
 
 def estimate_activation_peak_bytes(model: ModelSpec, tp_size: int,
                                    max_num_batched_tokens: int) -> int:
-    """A rough, deliberately generous guess of the profile run's activation peak on one rank.
+    """A rough guess of the profile run's activation peak on one rank, erring high.
 
     For ``T = max_num_batched_tokens`` tokens in one forward pass: the residual stream and its
     normalised copies (4 x hidden), this rank's Q/K/V and attention output, and its MLP
     intermediate (gate, up and activated: 3 x intermediate / tp; for MoE the experts each token
     visits), all in 2-byte activations, doubled for allocator fragmentation; plus fp32 logits
-    and probabilities for 256 sampled sequences. A running engine measures the real value
-    (vLLM logs it as "peak activation"); pass that in ``RankMemory`` instead whenever known.
+    and probabilities for 256 sampled sequences. For Llama-3-8B at 8,192 tokens this gives
+    about 2.4 GiB; vLLM's measured peak varies widely with its version, compilation and CUDA
+    graph settings (1-2 GiB is common, one logged start-up shows 9.37 GiB). So pass the measured
+    value (vLLM logs it as the activation peak) in ``RankMemory`` whenever it is known.
     """
     check_tp_size(model, tp_size)
     heads_per_gpu = model.num_attention_heads // tp_size
