@@ -1,0 +1,327 @@
+"""Wire format of the two-sided KV transports: versioned, length-prefixed binary frames.
+
+A frame is a fixed header, then ``num_block_ids`` block ids, then ``payload_nbytes`` bytes::
+
+    offset size field
+         0    4 magic            b"PDKV"
+         4    1 version          FORMAT_VERSION (1)
+         5    1 frame_type       FrameType
+         6    2 flags            bit 0: block ids are uint64 (else uint32); other bits must be 0
+         8   16 ticket_id        the ticket's UUID, 16 raw bytes
+        24    4 attempt          fencing attempt (>= 1; 0 only in ACK/ERROR about no ticket)
+        28    4 layer            LAYER: layer index; ERROR: layer of the refused frame; else 0
+        32    4 num_block_ids    HELLO and LAYER: destination block ids that follow; else 0
+        36    8 payload_nbytes   LAYER: num_block_ids x block_nbytes; others: small and fixed
+    (44 bytes, little-endian, no padding)
+
+Frames, by direction (P = prefill/sender, D = decode/receiver):
+
+- ``HELLO`` P->D: the ticket's destination block ids; payload = (num_layers, block_size_tokens,
+  block_nbytes) so D can refuse a ticket of the wrong shape before any KV moves. D answers ACK
+  or ERROR.
+- ``LAYER`` P->D: one layer of some destination blocks, the blocks' bytes back to back in the
+  order of the ids.
+- ``DONE`` P->D: payload = (first_token_id, prefill_compute_s, num_layers). D answers ACK when
+  every layer has landed, else ERROR.
+- ``ABORT`` P->D: payload = reason (UTF-8). No answer.
+- ``ACK`` D->P: payload = the answered frame type (1 byte).
+- ``ERROR`` D->P: payload = the refused frame type (1 byte) + ``reason`` + NUL + detail (UTF-8).
+
+The decoder is strict and works on the header alone (``decode_header``): anything malformed
+raises ``FrameError`` before a receiver reads a single payload byte, so a bad header can never
+make it write into cache memory. Layer *semantics* (is this ticket expected, does its token own
+these blocks) are the receiver's job, not the decoder's.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.common.errors import InvalidArgumentError
+from pdserve.state.types import FencingToken
+
+MAGIC = b"PDKV"
+FORMAT_VERSION = 1
+FLAG_BLOCK_IDS_U64 = 0x1
+_KNOWN_FLAGS = FLAG_BLOCK_IDS_U64
+
+_HEADER = struct.Struct("<4sBBH16sIIIQ")
+HEADER_NBYTES = _HEADER.size
+_HELLO = struct.Struct("<IIQ")
+_DONE = struct.Struct("<qdI")
+
+MAX_CONTROL_PAYLOAD_NBYTES = 64 * 1024
+"""ABORT and ERROR payloads (a reason text) are at most this long."""
+MAX_FRAME_NBYTES = 2 * 1024**3
+"""Default bound on one whole frame (header + ids + payload), bytes."""
+_MAX_U32 = 2**32 - 1
+
+
+class FrameError(InvalidArgumentError):
+    """Bytes that are not a well-formed frame. The stream they came from cannot be trusted."""
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    LAYER = 2
+    DONE = 3
+    ABORT = 4
+    ACK = 5
+    ERROR = 6
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """What a decoder accepts. ``block_nbytes`` fixes a LAYER's payload size per block;
+    block ids must be ``< num_blocks``; ``max_block_ids`` bounds ids per frame."""
+
+    block_nbytes: int
+    num_blocks: int
+    max_block_ids: int = 1 << 20
+    max_frame_nbytes: int = MAX_FRAME_NBYTES
+    max_control_payload_nbytes: int = MAX_CONTROL_PAYLOAD_NBYTES
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """A decoded header. ``token`` is None in ACK/ERROR frames that concern no ticket."""
+
+    frame_type: FrameType
+    token: FencingToken | None
+    layer: int = 0
+    num_block_ids: int = 0
+    payload_nbytes: int = 0
+    flags: int = 0
+
+    @property
+    def block_id_nbytes(self) -> int:
+        return 8 if self.flags & FLAG_BLOCK_IDS_U64 else 4
+
+    @property
+    def block_ids_nbytes(self) -> int:
+        """Bytes of the block-id array that follows the header."""
+        return self.num_block_ids * self.block_id_nbytes
+
+    @property
+    def frame_nbytes(self) -> int:
+        return HEADER_NBYTES + self.block_ids_nbytes + self.payload_nbytes
+
+
+_NIL_UUID = bytes(16)
+
+
+def _token_bytes(token: FencingToken | None) -> tuple[bytes, int]:
+    if token is None:
+        return _NIL_UUID, 0
+    try:
+        ticket_uuid = uuid.UUID(token.ticket_id)
+    except ValueError as exc:
+        raise FrameError(f"ticket id {token.ticket_id!r} is not a UUID") from exc
+    if not 1 <= token.attempt <= _MAX_U32:
+        raise FrameError(f"attempt {token.attempt} not in [1, 2^32)")
+    return ticket_uuid.bytes, token.attempt
+
+
+def encode_header(header: FrameHeader) -> bytes:
+    """The 44 header bytes. Callers build the header with ``layer_header`` etc. (or by hand in
+    tests); nothing here checks frame-type rules — ``decode_header`` is the gatekeeper."""
+    ticket_bytes, attempt = _token_bytes(header.token)
+    return _HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        int(header.frame_type),
+        header.flags,
+        ticket_bytes,
+        attempt,
+        header.layer,
+        header.num_block_ids,
+        header.payload_nbytes,
+    )
+
+
+def encode_block_ids(block_ids: np.ndarray | list[int] | tuple[int, ...]) -> tuple[bytes, int]:
+    """``(bytes, flags)``: ids as little-endian uint32 when they all fit, else uint64."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size and ids.min() < 0:
+        raise FrameError("block ids must be >= 0")
+    if ids.size == 0 or ids.max() <= _MAX_U32:
+        return ids.astype("<u4").tobytes(), 0
+    return ids.astype("<u8").tobytes(), FLAG_BLOCK_IDS_U64
+
+
+def layer_frame_prefix(
+    token: FencingToken, layer: int, block_ids: np.ndarray, block_nbytes: int
+) -> bytes:
+    """Header and block ids of a LAYER frame; the blocks' bytes follow (sent by the caller)."""
+    ids_bytes, flags = encode_block_ids(block_ids)
+    header = FrameHeader(
+        FrameType.LAYER, token, layer, len(block_ids), len(block_ids) * block_nbytes, flags
+    )
+    return encode_header(header) + ids_bytes
+
+
+def encode_frame(
+    frame_type: FrameType,
+    token: FencingToken | None,
+    *,
+    layer: int = 0,
+    block_ids: np.ndarray | list[int] | tuple[int, ...] = (),
+    payload: bytes = b"",
+) -> bytes:
+    """A whole frame in one buffer (control frames; LAYER frames use ``layer_frame_prefix``)."""
+    ids_bytes, flags = encode_block_ids(block_ids)
+    header = FrameHeader(frame_type, token, layer, len(block_ids), len(payload), flags)
+    return encode_header(header) + ids_bytes + payload
+
+
+def decode_header(data: bytes | bytearray | memoryview, limits: FrameLimits) -> FrameHeader:
+    """Parse and check exactly ``HEADER_NBYTES`` bytes; raises ``FrameError`` on anything off.
+
+    Pure: never reads more than the header, never allocates for the payload.
+    """
+    if len(data) != HEADER_NBYTES:
+        raise FrameError(f"header must be {HEADER_NBYTES} bytes, got {len(data)}")
+    magic, version, type_code, flags, ticket_bytes, attempt, layer, num_ids, payload_nbytes = (
+        _HEADER.unpack(data)
+    )
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise FrameError(f"unsupported frame format version {version}")
+    try:
+        frame_type = FrameType(type_code)
+    except ValueError as exc:
+        raise FrameError(f"unknown frame type {type_code}") from exc
+    if flags & ~_KNOWN_FLAGS:
+        raise FrameError(f"unknown flags {flags:#x}")
+    token = _decode_token(frame_type, ticket_bytes, attempt)
+    header = FrameHeader(frame_type, token, layer, num_ids, payload_nbytes, flags)
+    _check_shape(header, limits)
+    return header
+
+
+def _decode_token(frame_type: FrameType, ticket_bytes: bytes, attempt: int) -> FencingToken | None:
+    is_reply = frame_type in (FrameType.ACK, FrameType.ERROR)
+    if ticket_bytes == _NIL_UUID and attempt == 0 and is_reply:
+        return None
+    if attempt == 0:
+        raise FrameError(f"{frame_type.name} frame with attempt 0")
+    return FencingToken(ticket_id=str(uuid.UUID(bytes=ticket_bytes)), attempt=attempt)
+
+
+def _check_shape(header: FrameHeader, limits: FrameLimits) -> None:
+    frame_type = header.frame_type
+    has_ids = frame_type in (FrameType.HELLO, FrameType.LAYER)
+    if has_ids and not 1 <= header.num_block_ids <= limits.max_block_ids:
+        raise FrameError(
+            f"{frame_type.name} frame names {header.num_block_ids} blocks, "
+            f"allowed 1..{limits.max_block_ids}"
+        )
+    if not has_ids and header.num_block_ids != 0:
+        raise FrameError(f"{frame_type.name} frame carries {header.num_block_ids} block ids")
+    if header.layer != 0 and frame_type not in (FrameType.LAYER, FrameType.ERROR):
+        raise FrameError(f"{frame_type.name} frame with layer {header.layer}")
+    expected = _expected_payload_nbytes(header, limits)
+    if expected is not None and header.payload_nbytes != expected:
+        raise FrameError(
+            f"{frame_type.name} payload is {header.payload_nbytes} bytes, expected {expected}"
+        )
+    if frame_type in (FrameType.ABORT, FrameType.ERROR):
+        if header.payload_nbytes > limits.max_control_payload_nbytes:
+            raise FrameError(f"{frame_type.name} payload of {header.payload_nbytes} bytes too long")
+        if frame_type is FrameType.ERROR and header.payload_nbytes < 1:
+            raise FrameError("ERROR frame without the refused frame type")
+    if header.frame_nbytes > limits.max_frame_nbytes:
+        raise FrameError(f"frame of {header.frame_nbytes} bytes > {limits.max_frame_nbytes}")
+
+
+def _expected_payload_nbytes(header: FrameHeader, limits: FrameLimits) -> int | None:
+    match header.frame_type:
+        case FrameType.LAYER:
+            return header.num_block_ids * limits.block_nbytes
+        case FrameType.HELLO:
+            return _HELLO.size
+        case FrameType.DONE:
+            return _DONE.size
+        case FrameType.ACK:
+            return 1
+        case _:
+            return None
+
+
+def decode_block_ids(
+    header: FrameHeader, data: bytes | bytearray | memoryview, limits: FrameLimits
+) -> np.ndarray:
+    """The ids that follow ``header`` as ``int64[num_block_ids]``; refuses ids
+    ``>= limits.num_blocks`` and repeated ids (a frame may not write a block twice)."""
+    if len(data) != header.block_ids_nbytes:
+        raise FrameError(f"block ids are {len(data)} bytes, expected {header.block_ids_nbytes}")
+    dtype = "<u8" if header.flags & FLAG_BLOCK_IDS_U64 else "<u4"
+    raw = np.frombuffer(data, dtype=dtype)
+    if raw.size and int(raw.max()) >= limits.num_blocks:
+        raise FrameError(f"block id {int(raw.max())} >= {limits.num_blocks} blocks")
+    ids = raw.astype(np.int64)
+    if np.unique(ids).size != ids.size:
+        raise FrameError("block ids repeat within one frame")
+    return ids
+
+
+@dataclass(frozen=True, slots=True)
+class HelloPayload:
+    """Shape of the transfer the sender will make: must match the receiver's layout."""
+
+    num_layers: int
+    block_size_tokens: int
+    block_nbytes: int
+
+    def encode(self) -> bytes:
+        return _HELLO.pack(self.num_layers, self.block_size_tokens, self.block_nbytes)
+
+    @staticmethod
+    def decode(data: bytes | bytearray | memoryview) -> HelloPayload:
+        if len(data) != _HELLO.size:
+            raise FrameError(f"HELLO payload is {len(data)} bytes, expected {_HELLO.size}")
+        return HelloPayload(*_HELLO.unpack(data))
+
+
+@dataclass(frozen=True, slots=True)
+class DonePayload:
+    """End of a ticket's KV: the first token prefill produced and what prefill cost."""
+
+    first_token_id: int
+    prefill_compute_s: float
+    num_layers: int
+
+    def encode(self) -> bytes:
+        return _DONE.pack(self.first_token_id, self.prefill_compute_s, self.num_layers)
+
+    @staticmethod
+    def decode(data: bytes | bytearray | memoryview) -> DonePayload:
+        if len(data) != _DONE.size:
+            raise FrameError(f"DONE payload is {len(data)} bytes, expected {_DONE.size}")
+        return DonePayload(*_DONE.unpack(data))
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorPayload:
+    """Why the receiver refused a frame. ``reason`` is a ``RejectReason`` value."""
+
+    refused_type: int
+    reason: str
+    detail: str = ""
+
+    def encode(self) -> bytes:
+        text = f"{self.reason}\0{self.detail}".encode()[: MAX_CONTROL_PAYLOAD_NBYTES - 1]
+        return bytes([self.refused_type & 0xFF]) + text
+
+    @staticmethod
+    def decode(data: bytes | bytearray | memoryview) -> ErrorPayload:
+        if len(data) < 1:
+            raise FrameError("empty ERROR payload")
+        reason, _, detail = bytes(data[1:]).decode("utf-8", errors="replace").partition("\0")
+        return ErrorPayload(data[0], reason, detail)
