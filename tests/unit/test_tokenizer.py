@@ -1,4 +1,4 @@
-"""The package tokenizer: byte round trips, specials, chat template, chained block hashes, export."""
+"""The package tokenizer: byte round trips, specials, chat template, block hashes, export."""
 
 from __future__ import annotations
 
@@ -101,7 +101,10 @@ def test_decode_rejects_ids_outside_vocab() -> None:
 def test_chat_template_renders_turns_in_order() -> None:
     messages = [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}],
+        },
         {"role": "assistant", "content": None},
     ]
     prompt = tk.render_chat_prompt(messages)
@@ -127,7 +130,10 @@ def test_chat_template_renders_turns_in_order() -> None:
         ({"role": "us\ner", "content": "x"}, "messages[0].role"),
         ({"content": "x"}, "messages[0].role"),
         ({"role": "user", "content": 3}, "messages[0].content"),
-        ({"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}, "messages[0].content"),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": "u"}]},
+            "messages[0].content",
+        ),
     ],
 )
 def test_chat_template_rejects_malformed(message: dict, field: str) -> None:

@@ -19,10 +19,10 @@ id          string           meaning
 Hugging Face tokenizer recognises its added special tokens), so ``encode(render_chat_prompt(m))``
 yields real BOS/EOS ids and the exported Hugging Face tokenizer gives the same ids as ``encode``.
 
-``export(dir)`` writes a Hugging Face tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``,
-``special_tokens_map.json``) so that OpenAI-HTTP load generators can count tokens locally with
-``AutoTokenizer.from_pretrained(dir)``. ``load(path)`` does the reverse for a real model's
-``tokenizer.json`` when the optional ``tokenizers`` package is installed.
+``export(dir)`` writes a Hugging Face tokenizer folder (``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``) so that OpenAI-HTTP load generators can
+count tokens locally with ``AutoTokenizer.from_pretrained(dir)``. ``load(path)`` does the reverse
+for a real model's ``tokenizer.json`` when the optional ``tokenizers`` package is installed.
 
 ``prefix_block_hashes`` chains a stable 64-bit hash over full blocks of token ids; routers compare
 these with the hashes a worker reports to estimate prefix-cache overlap.
@@ -197,7 +197,9 @@ def render_chat_prompt(
     parts: list[str] = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise InvalidArgumentError("a chat message must be an object", field=f"messages[{index}]")
+            raise InvalidArgumentError(
+                "a chat message must be an object", field=f"messages[{index}]"
+            )
         role = message.get("role")
         if not isinstance(role, str) or not role or "\n" in role or "<|" in role:
             raise InvalidArgumentError(
@@ -230,7 +232,7 @@ def _content_text(content: Any, *, field: str) -> str:
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained 64-bit hashes of the full blocks of ``token_ids``; a trailing partial block is ignored.
+    """Chained 64-bit hashes of the full blocks of ``token_ids``; a partial last block is ignored.
 
     ``hash[i] = blake2b-64(hash[i-1] (8 bytes, little-endian) || block i as little-endian uint32)``
     with ``hash[-1]`` = 8 zero bytes, returned as unsigned ints in ``[0, 2**64)``. So hash i
