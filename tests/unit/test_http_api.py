@@ -61,6 +61,7 @@ class FakeBackend:
         self.error_before_first: Exception | None = None
         self.error_mid_stream: Exception | None = None
         self.is_hanging_mid_stream = False
+        self.hang_started = asyncio.Event()
         self.num_chunks_before_event = 2
         self.final_reason: FinishReason | None = None
 
@@ -87,6 +88,7 @@ class FakeBackend:
                 if self.error_mid_stream is not None:
                     raise self.error_mid_stream
                 if self.is_hanging_mid_stream:
+                    self.hang_started.set()
                     await asyncio.Event().wait()
             if index < len(pieces) - 1:
                 yield GenerationChunk(token_ids=piece)
@@ -650,6 +652,20 @@ async def test_client_disconnect_mid_stream_cancels_the_backend() -> None:
         response.close()  # drops the connection while the backend is mid-generation
         await asyncio.wait_for(backend.cancel_called.wait(), timeout=10)
     assert backend.cancelled_ids == ["req-42"]
+
+
+async def test_client_disconnect_while_waiting_for_a_whole_reply_cancels_the_backend() -> None:
+    backend = FakeBackend()
+    backend.is_hanging_mid_stream = True
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 10}
+    async with serve(backend) as (session, base):
+        waiting = asyncio.create_task(
+            post(session, f"{base}/v1/completions", body, headers={"x-request-id": "req-43"})
+        )
+        await asyncio.wait_for(backend.hang_started.wait(), timeout=10)
+        waiting.cancel()  # the client gives up: its connection closes
+        await asyncio.wait_for(backend.cancel_called.wait(), timeout=10)
+    assert backend.cancelled_ids == ["req-43"]
 
 
 # ---------------------------------------------------------------------------------------------
