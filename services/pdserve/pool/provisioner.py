@@ -54,14 +54,16 @@ class LocalProcessProvisioner:
 
     def __init__(self, base_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  stop_timeout_s: float = 10.0) -> None:
-        self._base_args = tuple(base_args)
+        self.base_args = list(base_args)
+        """Arguments every launched worker gets (may be filled in after construction, e.g. once
+        the control plane knows its own address)."""
         self._env = env
         self._stop_timeout_s = stop_timeout_s
         self._children: dict[str, _Child] = {}
 
     async def start(self, launch: WorkerLaunch) -> str:
         argv = [sys.executable, "-m", "pdserve", "serve", "worker", "--deployment", launch.deployment,
-                "--role", launch.role, "--worker-id", launch.worker_id, *self._base_args,
+                "--role", launch.role, "--worker-id", launch.worker_id, *self.base_args,
                 *launch.args]
         env = dict(os.environ if self._env is None else self._env)
         process = await asyncio.create_subprocess_exec(

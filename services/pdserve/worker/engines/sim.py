@@ -6,7 +6,8 @@ tests run fast. KV accounting is exact: the block count comes from the capacity 
 ``max_num_blocks`` so a laptop can hold it) and every block id is a real block of a real buffer.
 KV bytes are real and deterministic (a function of the tokens, the layer and the position), of
 the real size per block scaled by ``kv_scale``, so transports move, and tests check, real data.
-Tokens are deterministic functions of the prompt: exactly ``max_tokens`` of them.
+Tokens are deterministic functions of the prompt (printable byte-tokenizer ids): exactly
+``max_tokens`` of them, never end-of-sequence.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pdserve.common.errors import InvalidArgumentError
 from pdserve.worker.engine import KvCache, KvLayout, Sequence
 
 _MIN_SLEEP_S = 50e-6
+_ALPHABET = b"etaoinshrdlucmfwypvbgkjqxz     .,"
+"""Sim tokens are byte-tokenizer ids of these characters, so a simulated answer prints as
+letter soup rather than binary (the package tokenizer maps byte b to id b)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,6 @@ class SimConfig:
     """Bytes per block relative to the real model's (1.0 = real size)."""
     speedup: float = 1.0
     """Simulated seconds per wall-clock second; large values make compute nearly instant."""
-    vocab_size: int = 32_000
     num_kv_layers: int = 0
     """Layers to move KV for (0 = the model's). Fewer layers keep small tests small."""
 
@@ -110,7 +113,7 @@ class SimEngine:
             np.asarray(seq.prompt_token_ids[-64:], dtype=np.int64).tobytes()
             + position.to_bytes(8, "little"), digest_size=4,
         ).digest()
-        return 4 + int.from_bytes(digest, "little") % (self.config.vocab_size - 4)
+        return _ALPHABET[int.from_bytes(digest, "little") % len(_ALPHABET)]
 
     # -- Engine -------------------------------------------------------------------------------
 

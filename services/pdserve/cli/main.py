@@ -1,0 +1,54 @@
+"""The ``pdserve`` command line. Every subcommand imports its implementation lazily so that
+``pdserve --help`` stays fast and a missing optional dependency only affects its own command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from pdserve.common.errors import PdserveError
+
+SERVICES = ("router", "prefill-pool", "decode-pool", "kv-transfer", "governor", "worker")
+
+# command name -> (module, help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("pdserve.cli.up", "run the whole stack on this machine (embedded state, sim workers)"),
+    "serve": ("pdserve.cli.serve", "run one service in this process: " + ", ".join(SERVICES)),
+    "generate": ("pdserve.cli.generate", "send one prompt to a router and stream the tokens"),
+    "status": ("pdserve.cli.status", "pools, workers, tickets and KV use as a table"),
+    "db": ("pdserve.cli.db", "database schema: upgrade, current"),
+    "tokenizer": ("pdserve.cli.tokenizer_cmd", "export the built-in tokenizer as a folder"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Control plane for LLM serving with disaggregated prefill and decode pools.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args._run
+    try:
+        return int(run(args) or 0)
+    except PdserveError as exc:
+        print(f"pdserve {args.command}: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

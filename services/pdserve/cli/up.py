@@ -1,0 +1,167 @@
+"""``pdserve up``: the whole stack on this machine. Every control-plane service in this process
+(embedded state and SQLite unless Redis/Postgres URLs are given), sim workers as child processes
+that speak gRPC to it, exactly as they would on a fleet. Prints the gRPC and HTTP addresses, then
+a line starting with ``ready`` once every worker is READY."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+from pdserve.common.service_settings import DEFAULT_GPU, DEFAULT_MODEL
+from pdserve.common.settings import (
+    DATABASE_URL,
+    DURATION_S,
+    LogFormat,
+    PORT,
+    PORT_OR_OFF,
+    CommonSettings,
+    float_range,
+    int_range,
+    add_settings_arguments,
+    setting,
+    settings_from_namespace,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpSettings(CommonSettings):
+    """The one-machine stack."""
+
+    service_name: str = setting("pdserve-up", help="Service name in logs, traces and metrics.")
+    grpc_port: int = setting(50051, parser=PORT, help="gRPC port of every control-plane service; 0 = any.")
+    http_port: int = setting(8000, parser=PORT_OR_OFF, help="OpenAI-compatible HTTP port; 0 = any, -1 = off.")
+    database_url: str = setting("sqlite://", parser=DATABASE_URL, help="Durable store; default in-memory SQLite (nothing kept).")
+    metrics_port: int = setting(-1, parser=PORT_OR_OFF, help="Prometheus port; -1 = off.")
+    log_format: LogFormat = setting(LogFormat.TEXT, help="json or text.")
+    model: str = setting(DEFAULT_MODEL, help="Model (deployment) to serve, from the catalog.")
+    gpu: str = setting(DEFAULT_GPU, help="GPU from the catalog the sim workers model.")
+    num_prefill: int = setting(2, parser=int_range(0, 64), help="Prefill workers.")
+    num_decode: int = setting(2, parser=int_range(1, 64), help="Decode workers.")
+    speedup: float = setting(1.0, parser=float_range(1e-3, 1e12), help="Sim speed-up of the workers.")
+    cold_start_s: float = setting(0.0, parser=DURATION_S, help="Simulated cold start of each worker.")
+    transport: str = setting("tcp", help="KV transport between workers.")
+    join_token: str = setting("", help="Worker join token; empty = a fresh random one.", is_secret=True)
+    max_num_blocks: int = setting(8192, parser=int_range(16, 10_000_000), help="KV blocks per sim worker (cap).")
+    local_prefill_threshold_tokens: int = setting(64, parser=int_range(0, 10_000_000), help="Uncached prompt tokens at or below which decode prefills itself.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser, UpSettings)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_namespace(UpSettings, args, os.environ)
+    return asyncio.run(_up(settings))
+
+
+def _announce(line: str) -> None:
+    print(line, flush=True)
+
+
+async def _up(settings: UpSettings) -> int:
+    from pdserve.cli.assembly import open_durable, open_stores
+    from pdserve.common.durable import LifecycleSinkAdapter, TransferSinkAdapter, WindowWriterAdapter
+    from pdserve.common.grpc_server import GrpcServer
+    from pdserve.common.runtime import setup_process, stop_on_signals
+    from pdserve.common.service_settings import PoolSettings, RouterSettings
+    from pdserve.kv_transfer.app import CoordinatorApp
+    from pdserve.kv_transfer.coordinator import CoordinatorPolicy
+    from pdserve.pool.app import PoolApp
+    from pdserve.pool.provisioner import LocalProcessProvisioner
+    from pdserve.pool.servicer import PoolServicer
+    from pdserve.capacity.app import GovernorApp
+    from pdserve.router.app import RouterApp
+    from pdserve.router.clients import LocalTicketClient
+    from pdserve.state.types import WorkerRole, WorkerState
+
+    runtime = setup_process(settings)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    stores = open_stores(settings)
+    durable = open_durable(settings, migrate=True)
+    join_token = settings.join_token or secrets.token_hex(16)
+    env = dict(os.environ, PDSERVE_JOIN_TOKEN=join_token)
+    server = GrpcServer.from_settings(settings)
+
+    coordinator = CoordinatorApp(stores.backend, time.time, CoordinatorPolicy(), stores.rendezvous,
+                                 settings, TransferSinkAdapter(durable) if durable else None)
+    coordinator.register(server)
+    pools = {}
+    for role, count in ((WorkerRole.PREFILL, settings.num_prefill), (WorkerRole.DECODE, settings.num_decode)):
+        pool_settings = PoolSettings(role=role, join_token=join_token, deployments=(settings.model,),
+                                     is_provisioning=True, initial_target_size=count,
+                                     grpc_port=settings.grpc_port)
+        pools[role] = PoolApp(pool_settings, stores.backend, stores.prefix_index, time.time,
+                              LocalProcessProvisioner(env=env),
+                              LifecycleSinkAdapter(durable) if durable else None)
+    PoolServicerAll = PoolServicer({r: p.manager for r, p in pools.items()}, stores.backend.workers,
+                                   stores.backend.events)
+    from pdserve.api.v1 import pool_pb2_grpc
+    from pdserve.pool.servicer import SERVICE_NAME as POOL_SERVICE
+
+    server.add_servicer(POOL_SERVICE, pool_pb2_grpc.add_PoolServiceServicer_to_server, PoolServicerAll)
+    router_settings = RouterSettings(
+        http_host=settings.grpc_host, http_port=settings.http_port,
+        coordinator_address="127.0.0.1:1", transport=settings.transport,
+        local_prefill_threshold_tokens=settings.local_prefill_threshold_tokens,
+        otel_endpoint=settings.otel_endpoint, otel_sampling_ratio=settings.otel_sampling_ratio,
+    )
+    router = RouterApp(router_settings, stores.backend, stores.prefix_index,
+                       LocalTicketClient(coordinator.coordinator),
+                       WindowWriterAdapter(durable) if durable else None)
+    router.register(server)
+    GovernorApp(settings).register(server)  # type: ignore[arg-type]
+
+    port = await server.start()
+    address = f"{settings.grpc_host}:{port}"
+    worker_args = [
+        "--pool-address", address, "--coordinator-address", address, "--model", settings.model,
+        "--gpu", settings.gpu, "--speedup", str(settings.speedup),
+        "--cold-start-s", str(settings.cold_start_s), "--transport", settings.transport,
+        "--max-num-blocks", str(settings.max_num_blocks), "--log-format", "text",
+        "--log-level", "WARNING", "--metrics-port", "-1",
+    ]
+    for pool in pools.values():
+        pool.manager._provisioner.base_args = list(worker_args)  # type: ignore[union-attr]
+    coordinator.start()
+    for pool in pools.values():
+        await pool.start()
+    await router.start()
+    _announce(f"grpc {address}")
+    if router.http_port:
+        _announce(f"http http://{settings.grpc_host}:{router.http_port}")
+    try:
+        started = time.monotonic()
+        while not stop.is_set():
+            workers = await stores.backend.workers.list(settings.model)
+            ready = [w for w in workers if w.state is WorkerState.READY]
+            num_ready = {r: sum(1 for w in ready if w.role is r) for r in WorkerRole}
+            if (num_ready[WorkerRole.PREFILL] >= settings.num_prefill
+                    and num_ready[WorkerRole.DECODE] >= settings.num_decode):
+                _announce(f"ready model {settings.model}: {settings.num_prefill} prefill, "
+                          f"{settings.num_decode} decode workers "
+                          f"({time.monotonic() - started:.1f}s)")
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 0.2)
+            except TimeoutError:
+                pass
+        await stop.wait()
+    finally:
+        await server.stop(2.0)
+        await router.close()
+        for pool in pools.values():
+            await pool.close()
+        await coordinator.close()
+        await stores.close()
+        if durable is not None:
+            durable.close()
+        runtime.close()
+    return 0
+
+

@@ -1,0 +1,45 @@
+"""Process set-up shared by every service: logs, tracing, metrics endpoint, signal-driven stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.common.logging import configure_logging
+from pdserve.common.metrics import MetricsServer, start_metrics_server
+from pdserve.common.settings import CommonSettings
+from pdserve.common.telemetry import configure_tracing, is_tracing_enabled
+
+
+@dataclass(slots=True)
+class ProcessRuntime:
+    tracer_provider: Any
+    metrics: MetricsServer | None
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tracer_provider is not None:
+            with contextlib.suppress(Exception):
+                self.tracer_provider.shutdown()
+
+
+def setup_process(settings: CommonSettings) -> ProcessRuntime:
+    configure_logging(settings.log_level, settings.log_format, settings.service_name)
+    provider = None
+    if is_tracing_enabled(settings):
+        provider = configure_tracing(settings.service_name, settings.otel_endpoint,
+                                     settings.otel_sampling_ratio)
+    metrics = start_metrics_server(settings.metrics_port, settings.grpc_host)
+    return ProcessRuntime(provider, metrics)
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set ``stop`` (graceful: the service drains and exits)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)

@@ -1,0 +1,106 @@
+"""The settings object of each deployable service (``pdserve serve <service>``).
+
+Each class adds what its service needs to ``CommonSettings``; every field has an environment
+variable ``PDSERVE_<NAME>`` and a flag ``--name`` (the flag wins).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.settings import (
+    ADDRESS,
+    DURATION_S,
+    PORT,
+    PORT_OR_OFF,
+    CommonSettings,
+    float_range,
+    int_range,
+    setting,
+)
+from pdserve.state.types import WorkerRole
+
+DEFAULT_MODEL = "llama-3.1-8b"
+DEFAULT_GPU = "h100-sxm-80gb"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSettings(CommonSettings):
+    """A worker agent beside one engine instance."""
+
+    service_name: str = setting("worker", help="Service name in logs, traces and metrics.")
+    role: WorkerRole = setting(help="prefill or decode.")
+    deployment: str = setting(DEFAULT_MODEL, help="Deployment (model name clients use).")
+    worker_id: str = setting("", help="Stable worker id; empty = assigned by the pool manager.")
+    pool_address: str = setting(parser=ADDRESS, help="host:port of this role's pool manager.")
+    coordinator_address: str = setting(parser=ADDRESS, help="host:port of the KV-transfer coordinator.")
+    join_token: str = setting(help="Secret that admits this worker to its pool.", is_secret=True)
+    advertise_host: str = setting("127.0.0.1", help="Host other processes use to reach this worker.")
+    engine: str = setting("sim", help="Engine backend: sim or tiny.")
+    model: str = setting(DEFAULT_MODEL, help="Model from the catalog (sim engine).")
+    gpu: str = setting(DEFAULT_GPU, help="GPU from the catalog (sim engine).")
+    tp_size: int = setting(1, parser=int_range(1, 1024), help="Tensor-parallel degree.")
+    block_size_tokens: int = setting(16, parser=int_range(1, 1024), help="Tokens per KV block.")
+    speedup: float = setting(1.0, parser=float_range(1e-3, 1e12), help="Sim speed-up (simulated s per wall s).")
+    cold_start_s: float = setting(0.0, parser=DURATION_S, help="Simulated weight loading before READY (wall time = cold_start_s / speedup_cold_start).")
+    cold_start_speedup: float = setting(1.0, parser=float_range(1e-3, 1e9), help="Divides cold_start_s.")
+    kv_scale: float = setting(1.0 / 64, parser=float_range(1e-6, 1.0), help="Sim KV bytes per block relative to the real model's.")
+    max_num_blocks: int = setting(8192, parser=int_range(0, 10_000_000), help="Cap on sim KV blocks (0 = none).")
+    num_kv_layers: int = setting(0, parser=int_range(0, 1000), help="KV layers the sim engine moves (0 = the model's).")
+    transport: str = setting("tcp", help="KV transport: tcp, nixl or inproc.")
+    kv_host: str = setting("127.0.0.1", help="Interface the KV data path listens on.")
+    kv_port: int = setting(0, parser=PORT, help="KV data path port; 0 = any.")
+    max_batch_size: int = setting(256, parser=int_range(1, 100_000), help="Decode batch limit.")
+    metrics_port: int = setting(-1, parser=PORT_OR_OFF, help="Prometheus port; -1 = off.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSettings(CommonSettings):
+    """A pool manager (one per role)."""
+
+    service_name: str = setting("pool", help="Service name in logs, traces and metrics.")
+    role: WorkerRole = setting(help="Pool this manager serves: prefill or decode.")
+    join_token: str = setting(help="Secret workers present to join.", is_secret=True)
+    deployments: tuple[str, ...] = setting((), help="Deployments whose size this manager actuates.")
+    heartbeat_interval_s: float = setting(1.0, parser=DURATION_S, help="Worker heartbeat period.")
+    heartbeat_timeout_s: float = setting(5.0, parser=DURATION_S, help="No heartbeat this long = FAILED.")
+    is_provisioning: bool = setting(False, help="Start and stop local worker processes to meet the target size.")
+    worker_args: str = setting("", help="Extra arguments for provisioned workers (shell words).")
+    initial_target_size: int = setting(-1, parser=int_range(-1, 100_000), help="Target size set at start (-1 = leave).")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorSettings(CommonSettings):
+    """The KV-transfer coordinator."""
+
+    service_name: str = setting("kv-transfer", help="Service name in logs, traces and metrics.")
+    default_lease_s: float = setting(10.0, parser=DURATION_S, help="Lease of a ticket unless the caller asks.")
+    max_lease_s: float = setting(300.0, parser=DURATION_S, help="Longest lease granted.")
+    reap_interval_s: float = setting(0.5, parser=DURATION_S, help="How often lapsed leases are reaped.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterSettings(CommonSettings):
+    """A router replica."""
+
+    service_name: str = setting("router", help="Service name in logs, traces and metrics.")
+    http_host: str = setting("127.0.0.1", help="Interface of the OpenAI-compatible HTTP API.")
+    http_port: int = setting(0, parser=PORT_OR_OFF, help="HTTP port; 0 = any, -1 = off.")
+    coordinator_address: str = setting(parser=ADDRESS, help="host:port of the KV-transfer coordinator.")
+    max_attempts: int = setting(3, parser=int_range(1, 10), help="Attempts per request before the first token.")
+    max_in_flight: int = setting(4096, parser=int_range(1, 1_000_000), help="Requests admitted at once.")
+    max_tokens_limit: int = setting(32768, parser=int_range(1, 10_000_000), help="Largest max_tokens accepted.")
+    local_prefill_threshold_tokens: int = setting(64, parser=int_range(0, 10_000_000), help="Uncached prompt tokens at or below which decode prefills itself.")
+    prefill_saturation_tokens: int = setting(65536, parser=int_range(0, 10**9), help="Queued prefill tokens beyond which prompts prefill locally.")
+    lease_s: float = setting(10.0, parser=DURATION_S, help="Lease asked for each ticket.")
+    transport: str = setting("tcp", help="KV transport workers use.")
+    slo_ttft_ms: float = setting(2000.0, parser=float_range(0.001, 1e9), help="TTFT SLO for goodput, ms.")
+    slo_tpot_ms: float = setting(100.0, parser=float_range(0.001, 1e9), help="TPOT SLO for goodput, ms.")
+    outcome_window_s: float = setting(10.0, parser=DURATION_S, help="Window of the durable request-outcome aggregates.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GovernorSettings(CommonSettings):
+    """The capacity governor."""
+
+    service_name: str = setting("governor", help="Service name in logs, traces and metrics.")

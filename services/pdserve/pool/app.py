@@ -1,0 +1,51 @@
+"""Wiring of a pool manager: core, servicer, provisioner and its health/actuation loop."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+
+from pdserve.api.v1 import pool_pb2_grpc
+from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.service_settings import PoolSettings
+from pdserve.pool.manager import LifecycleSink, PoolManager, PoolPolicy
+from pdserve.pool.provisioner import Provisioner
+from pdserve.pool.servicer import SERVICE_NAME, PoolServicer
+from pdserve.state.interfaces import StateBackend
+from pdserve.state.prefix_index import PrefixIndex
+from pdserve.state.types import Clock
+
+
+class PoolApp:
+    def __init__(self, settings: PoolSettings, backend: StateBackend, prefix_index: PrefixIndex,
+                 clock: Clock, provisioner: Provisioner | None = None,
+                 lifecycle_sink: LifecycleSink | None = None) -> None:
+        self.settings = settings
+        worker_args = tuple(shlex.split(settings.worker_args))
+        policy = PoolPolicy(
+            role=settings.role, join_token=settings.join_token,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            record_ttl_s=max(60.0, settings.heartbeat_timeout_s * 4),
+            launch_args={d: worker_args for d in settings.deployments},
+        )
+        self.manager = PoolManager(policy, backend, prefix_index, clock, provisioner, lifecycle_sink)
+        self.servicer = PoolServicer({settings.role: self.manager}, backend.workers, backend.events)
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def register(self, server: GrpcServer) -> None:
+        server.add_servicer(SERVICE_NAME, pool_pb2_grpc.add_PoolServiceServicer_to_server,
+                            self.servicer)
+
+    async def start(self) -> None:
+        if self.settings.initial_target_size >= 0:
+            for deployment in self.settings.deployments:
+                await self.manager.set_target(deployment, self.settings.initial_target_size)
+        self._task = asyncio.create_task(self.manager.run(self._stop, self.settings.deployments))
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        await self.manager.close()

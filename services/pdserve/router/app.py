@@ -1,0 +1,77 @@
+"""Wiring of a router replica: pool view, router core, gRPC servicer, OpenAI HTTP API, outcomes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdserve.api.v1 import router_pb2_grpc
+from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.service_settings import RouterSettings
+from pdserve.common.tokenizer import ByteTokenizer, Tokenizer
+from pdserve.router.clients import TicketClient, WorkerClients
+from pdserve.router.core import Router, RouterConfig
+from pdserve.router.outcomes import OutcomeAggregator, WindowWriter
+from pdserve.router.policy import RoutingConfig
+from pdserve.router.pool_view import PoolFollower, PoolView
+from pdserve.router.servicer import SERVICE_NAME, RouterServicer
+from pdserve.state.interfaces import StateBackend
+from pdserve.state.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+def router_config(settings: RouterSettings) -> RouterConfig:
+    return RouterConfig(
+        routing=RoutingConfig(
+            local_prefill_threshold_tokens=settings.local_prefill_threshold_tokens,
+            prefill_saturation_tokens=settings.prefill_saturation_tokens,
+        ),
+        max_attempts=settings.max_attempts, max_in_flight=settings.max_in_flight,
+        max_tokens_limit=settings.max_tokens_limit, lease_s=settings.lease_s,
+        transport=settings.transport, slo_ttft_ms=settings.slo_ttft_ms,
+        slo_tpot_ms=settings.slo_tpot_ms,
+    )
+
+
+class RouterApp:
+    def __init__(self, settings: RouterSettings, backend: StateBackend, prefix_index: PrefixIndex,
+                 tickets: TicketClient, window_writer: WindowWriter | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.view = PoolView()
+        self.follower = PoolFollower(backend, self.view)
+        self.workers = WorkerClients(settings)
+        self.outcomes = OutcomeAggregator(settings.slo_ttft_ms, settings.slo_tpot_ms,
+                                          settings.outcome_window_s, writer=window_writer)
+        self.router = Router(router_config(settings), self.view, tickets, self.workers,
+                             prefix_index, self.outcomes)
+        self.servicer = RouterServicer(self.router, self.tokenizer)
+        self.http_port: int | None = None
+        self._http_runner = None
+        self._stop = asyncio.Event()
+        self._outcome_task: asyncio.Task[None] | None = None
+
+    def register(self, server: GrpcServer) -> None:
+        server.add_servicer(SERVICE_NAME, router_pb2_grpc.add_RouterServiceServicer_to_server,
+                            self.servicer)
+
+    async def start(self) -> None:
+        await self.follower.start()
+        self._outcome_task = asyncio.create_task(self.outcomes.run(self._stop))
+        if self.settings.http_port >= 0:
+            from pdserve.router.http_api import create_app, start_http_server
+
+            app = create_app(self.router, self.tokenizer)
+            self._http_runner, self.http_port = await start_http_server(
+                app, self.settings.http_host, self.settings.http_port)
+
+    async def close(self) -> None:
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()
+        self._stop.set()
+        if self._outcome_task is not None:
+            await self._outcome_task
+        await self.follower.close()
+        await self.workers.close()

@@ -1,0 +1,429 @@
+"""The router core: validation, admission, routing (the pure policy), ticket, dispatch of prefill
+and decode, retries before the first token, token streaming, cancellation and outcome records.
+
+Retries: any failure before the first token (a worker down, a ticket refused for capacity, a
+transfer that failed) aborts the ticket and tries again on other workers, up to
+``max_attempts``; after the first token the client gets a clean error (tokens already streamed
+cannot be replayed elsewhere without duplicating them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from opentelemetry import trace
+
+from pdserve.api.v1 import common_pb2 as pb
+from pdserve.api.v1 import worker_pb2
+from pdserve.common.convert import token_to_pb
+from pdserve.common.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    NotFoundError,
+    PdserveError,
+    UnavailableError,
+)
+from pdserve.common.tokenizer import prefix_block_hashes
+from pdserve.router.clients import TicketClient, WorkerClients, iterate_stream
+from pdserve.router.policy import (
+    DecodeCandidate,
+    PrefillCandidate,
+    RouteDecision,
+    RouteRequest,
+    RoutingConfig,
+    route,
+)
+from pdserve.router.pool_view import PoolView
+from pdserve.router.types import (
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    ModelCard,
+    RequestTiming,
+    Usage,
+)
+from pdserve.state.prefix_index import PrefixIndex
+from pdserve.state.types import TicketSpec, WorkerRole
+
+logger = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    max_attempts: int = 3
+    max_in_flight: int = 4096
+    """Requests this router admits at once; beyond it, RESOURCE_EXHAUSTED."""
+    max_tokens_limit: int = 32_768
+    lease_s: float = 10.0
+    rpc_timeout_s: float = 10.0
+    request_timeout_s: float = 600.0
+    kv_wait_timeout_s: float = 30.0
+    transport: str = "tcp"
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """One finished request, for metrics and the per-window durable aggregate."""
+
+    request_id: str
+    deployment: str
+    ttft_s: float
+    tpot_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    is_ok: bool
+    is_local_prefill: bool
+    num_attempts: int
+    error_code: str = ""
+    exposed_transfer_s: float = 0.0
+    queue_s: float = 0.0
+
+
+class OutcomeSink(Protocol):
+    def record(self, outcome: RequestOutcome) -> None: ...
+
+
+class _Retry(Exception):
+    """A failure before the first token: try other workers."""
+
+    def __init__(self, error: PdserveError, worker_ids: tuple[str, ...]) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.worker_ids = worker_ids
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        view: PoolView,
+        tickets: TicketClient,
+        workers: WorkerClients,
+        prefix_index: PrefixIndex | None = None,
+        outcome_sink: OutcomeSink | None = None,
+    ) -> None:
+        self.config = config
+        self._view = view
+        self._tickets = tickets
+        self._workers = workers
+        self._prefix_index = prefix_index
+        self._outcome_sink = outcome_sink
+        self._in_flight: dict[str, asyncio.Task[object] | None] = {}
+        self._cancelled: set[str] = set()
+
+    # -- front-end protocol -------------------------------------------------------------------
+
+    def list_models(self) -> list[ModelCard]:
+        cards = []
+        for deployment in self._view.deployments():
+            num_decode = len(self._view.ready(deployment, WorkerRole.DECODE))
+            num_prefill = len(self._view.ready(deployment, WorkerRole.PREFILL))
+            if num_decode == 0 and num_prefill == 0:
+                continue
+            cards.append(ModelCard(
+                name=deployment, max_context_tokens=self._view.max_context_tokens(deployment),
+                num_prefill_workers=num_prefill, num_decode_workers=num_decode,
+            ))
+        return cards
+
+    async def cancel(self, request_id: str) -> bool:
+        """Cancel a request in flight on this router: its task is cancelled, which aborts its
+        ticket and cancels its worker calls (everything it holds is freed)."""
+        if request_id not in self._in_flight:
+            return False
+        self._cancelled.add(request_id)
+        task = self._in_flight[request_id]
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        return True
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        self._validate(request)
+        if len(self._in_flight) >= self.config.max_in_flight:
+            raise CapacityError("router is at its in-flight limit", retry_after_s=0.5)
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._in_flight:
+            raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight",
+                                       field="request_id")
+        self._in_flight[request_id] = asyncio.current_task()
+        started = time.perf_counter()
+        outcome_error = ""
+        first_token_at: float | None = None
+        num_output = 0
+        attempts = 0
+        is_local = False
+        exposed_s = 0.0
+        try:
+            with tracer.start_as_current_span("router.generate") as span:
+                span.set_attribute("pdserve.request_id", request_id)
+                span.set_attribute("pdserve.model", request.model)
+                span.set_attribute("pdserve.num_prompt_tokens", len(request.prompt_token_ids))
+                async for chunk, attempt_info in self._attempts(request, request_id):
+                    attempts, is_local, exposed_s = attempt_info
+                    if chunk.token_ids and first_token_at is None:
+                        first_token_at = time.perf_counter()
+                    num_output += len(chunk.token_ids)
+                    if request_id in self._cancelled:
+                        yield self._final(request, num_output, started, first_token_at,
+                                          FinishReason.CANCELLED, attempts, is_local)
+                        return
+                    if chunk.finish_reason is not None:
+                        yield self._final(request, num_output, started, first_token_at,
+                                          chunk.finish_reason, attempts, is_local, chunk)
+                        return
+                    yield chunk
+        except PdserveError as exc:
+            outcome_error = exc.code.name
+            raise
+        except BaseException:
+            outcome_error = "CANCELLED"
+            raise
+        finally:
+            self._in_flight.pop(request_id, None)
+            self._cancelled.discard(request_id)
+            self._record(request, request_id, started, first_token_at, num_output, attempts,
+                         is_local, outcome_error, exposed_s)
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def _validate(self, request: GenerationRequest) -> None:
+        if not request.model:
+            raise InvalidArgumentError("model: required", field="model")
+        if request.model not in self._view.deployments() or not self._view.ready(
+            request.model, WorkerRole.DECODE
+        ):
+            known = ", ".join(self._view.deployments()) or "none"
+            if request.model not in self._view.deployments():
+                raise NotFoundError(f"model: unknown model {request.model!r} (served: {known})",
+                                    field="model")
+            raise UnavailableError(f"model {request.model!r} has no ready decode worker")
+        if not request.prompt_token_ids:
+            raise InvalidArgumentError("prompt: empty", field="prompt")
+        if request.max_tokens <= 0:
+            raise InvalidArgumentError("max_tokens: must be > 0", field="max_tokens")
+        if request.max_tokens > self.config.max_tokens_limit:
+            raise InvalidArgumentError(
+                f"max_tokens: {request.max_tokens} exceeds the limit {self.config.max_tokens_limit}",
+                field="max_tokens")
+        context = self._view.max_context_tokens(request.model)
+        if context and len(request.prompt_token_ids) + request.max_tokens > context:
+            raise InvalidArgumentError(
+                f"max_tokens: prompt ({len(request.prompt_token_ids)}) + max_tokens "
+                f"({request.max_tokens}) exceeds the model's context of {context} tokens",
+                field="max_tokens")
+
+    # -- attempts -----------------------------------------------------------------------------
+
+    async def _attempts(
+        self, request: GenerationRequest, request_id: str
+    ) -> AsyncIterator[tuple[GenerationChunk, tuple[int, bool, float]]]:
+        excluded: set[str] = set()
+        last_error: PdserveError | None = None
+        for attempt in range(1, self.config.max_attempts + 1):
+            try:
+                decision = await self._decide(request, frozenset(excluded))
+            except CapacityError:
+                raise
+            except UnavailableError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            is_local = decision.is_local_prefill
+            try:
+                async for chunk, exposed_s in self._attempt(request, request_id, decision):
+                    yield chunk, (attempt, is_local, exposed_s)
+                return
+            except _Retry as retry:
+                logger.info("request %s attempt %d failed before the first token: %s",
+                            request_id, attempt, retry.error.message)
+                last_error = retry.error
+                excluded.update(retry.worker_ids)
+        assert last_error is not None
+        raise last_error
+
+    async def _decide(self, request: GenerationRequest, excluded: frozenset[str]) -> RouteDecision:
+        decoders = self._view.ready(request.model, WorkerRole.DECODE)
+        prefillers = self._view.ready(request.model, WorkerRole.PREFILL)
+        overlap: dict[str, int] = {}
+        block_size = decoders[0].block_size_tokens if decoders else 16
+        if self._prefix_index is not None and prefillers and len(request.prompt_token_ids) >= block_size:
+            hashes = prefix_block_hashes(list(request.prompt_token_ids), block_size)
+            try:
+                overlap = await self._prefix_index.overlap(
+                    request.model, [w.worker_id for w in prefillers], hashes)
+            except Exception:  # noqa: BLE001 - routing without prefix hints is still correct
+                logger.debug("prefix index unavailable", exc_info=True)
+        return route(
+            RouteRequest(len(request.prompt_token_ids), request.max_tokens, request.prefill_mode),
+            [DecodeCandidate(
+                worker_id=w.worker_id, num_free_blocks=w.record.load.num_free_blocks,
+                num_total_blocks=w.record.load.num_total_blocks,
+                num_running_seqs=w.record.load.num_running_seqs,
+                block_size_tokens=w.block_size_tokens,
+            ) for w in decoders],
+            [PrefillCandidate(
+                worker_id=w.worker_id,
+                num_queued_prefill_tokens=w.record.load.num_queued_prefill_tokens,
+                num_cached_prefix_tokens=overlap.get(w.worker_id, 0) * block_size,
+            ) for w in prefillers],
+            self.config.routing,
+            excluded,
+        )
+
+    async def _attempt(
+        self, request: GenerationRequest, request_id: str, decision: RouteDecision
+    ) -> AsyncIterator[tuple[GenerationChunk, float]]:
+        config = self.config
+        decode = self._view.get(request.model, decision.decode_worker_id)
+        prefill = self._view.get(request.model, decision.prefill_worker_id) if decision.prefill_worker_id else None
+        if decode is None or (decision.prefill_worker_id and prefill is None):
+            raise _Retry(UnavailableError("worker left the pool"), (decision.decode_worker_id,))
+        prompt = list(request.prompt_token_ids)
+        try:
+            token = await self._tickets.open(TicketSpec(
+                deployment=request.model, decode_worker_id=decode.worker_id,
+                prefill_worker_id=decision.prefill_worker_id, num_blocks=decision.num_blocks,
+                lease_s=config.lease_s, request_id=request_id, num_prompt_tokens=len(prompt),
+            ), config.rpc_timeout_s)
+        except (CapacityError, UnavailableError) as exc:
+            raise _Retry(exc, (decode.worker_id,)) from None
+        decode_call = None
+        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None = None
+        first = True
+        try:
+            decode_request = worker_pb2.DecodeRequest(
+                token=token_to_pb(token), prompt_token_ids=prompt,
+                sampling=pb.SamplingParams(max_tokens=request.max_tokens,
+                                           temperature=request.temperature, seed=request.seed,
+                                           ignore_eos=request.ignore_eos),
+                is_local_prefill=decision.is_local_prefill, num_blocks=decision.num_blocks,
+                kv_wait_timeout_ms=int(config.kv_wait_timeout_s * 1000), request_id=request_id,
+            )
+            if prefill is not None:
+                try:
+                    destination = await self._workers.admit(
+                        decode.record.address, token, len(prompt), decision.num_blocks,
+                        config.lease_s, config.transport, config.rpc_timeout_s)
+                except PdserveError as exc:
+                    raise _Retry(exc, (decode.worker_id,)) from None
+                prefill_task = asyncio.create_task(self._workers.prefill(
+                    prefill.record.address, token, prompt, destination, config.lease_s,
+                    request_id, config.request_timeout_s))
+            decode_call = self._workers.decode(decode.record.address, decode_request,
+                                               config.request_timeout_s)
+            stream = iterate_stream(decode_call)
+            exposed_s = 0.0
+            while True:
+                try:
+                    message = await self._next_or_prefill_failure(stream, prefill_task)
+                except PdserveError as exc:
+                    if first:
+                        failed = (decode.worker_id,) if prefill_task is None or not prefill_task.done() \
+                            or prefill_task.exception() is None else (prefill.worker_id,)  # type: ignore[union-attr]
+                        raise _Retry(exc, failed) from None
+                    raise
+                if message is None:
+                    return
+                if message.HasField("stats"):
+                    exposed_s = message.stats.exposed_ms / 1000
+                first = False
+                finish = _FINISH.get(message.finish_reason)
+                yield GenerationChunk(
+                    token_ids=tuple(message.token_ids), finish_reason=finish,
+                    prefill_worker_id=decision.prefill_worker_id,
+                    decode_worker_id=decision.decode_worker_id,
+                ), exposed_s
+                if finish is not None:
+                    return
+        except BaseException:
+            # Failure or cancellation: free everything the ticket holds, on both sides.
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+            if decode_call is not None:
+                decode_call.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._tickets.abort(token, "router: attempt failed", config.rpc_timeout_s))
+            raise
+        finally:
+            if prefill_task is not None:
+                if not prefill_task.done():
+                    prefill_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await prefill_task
+
+    async def _next_or_prefill_failure(
+        self, stream: AsyncIterator[worker_pb2.DecodeResponse],
+        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
+    ) -> worker_pb2.DecodeResponse | None:
+        """The next decode message; if prefill fails first, its error (the decode side would
+        only time out)."""
+        next_message = asyncio.ensure_future(anext(stream, None))
+        if prefill_task is None or prefill_task.done():
+            if prefill_task is not None and prefill_task.exception() is not None:
+                next_message.cancel()
+                raise prefill_task.exception()  # type: ignore[misc]
+            return await next_message
+        done, _ = await asyncio.wait({next_message, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+        if next_message in done:
+            return next_message.result()
+        error = prefill_task.exception()
+        if error is None:
+            return await next_message
+        next_message.cancel()
+        with contextlib.suppress(BaseException):
+            await next_message
+        raise error
+
+    # -- outcomes -----------------------------------------------------------------------------
+
+    def _final(self, request: GenerationRequest, num_output: int, started: float,
+               first_token_at: float | None, reason: FinishReason, attempts: int,
+               is_local: bool, chunk: GenerationChunk | None = None) -> GenerationChunk:
+        now = time.perf_counter()
+        ttft_s = (first_token_at or now) - started
+        tpot_s = (now - (first_token_at or now)) / max(1, num_output - 1)
+        return GenerationChunk(
+            token_ids=chunk.token_ids if chunk else (),
+            finish_reason=reason,
+            usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_output),
+            timing=RequestTiming(ttft_ms=ttft_s * 1000, tpot_ms=tpot_s * 1000,
+                                 is_local_prefill=is_local, num_attempts=attempts),
+            prefill_worker_id=chunk.prefill_worker_id if chunk else "",
+            decode_worker_id=chunk.decode_worker_id if chunk else "",
+        )
+
+    def _record(self, request: GenerationRequest, request_id: str, started: float,
+                first_token_at: float | None, num_output: int, attempts: int, is_local: bool,
+                error: str, exposed_s: float) -> None:
+        if self._outcome_sink is None:
+            return
+        now = time.perf_counter()
+        ttft_s = (first_token_at - started) if first_token_at else now - started
+        tpot_s = (now - first_token_at) / max(1, num_output - 1) if first_token_at else 0.0
+        with contextlib.suppress(Exception):
+            self._outcome_sink.record(RequestOutcome(
+                request_id=request_id, deployment=request.model, ttft_s=ttft_s, tpot_s=tpot_s,
+                num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=num_output,
+                is_ok=not error, is_local_prefill=is_local, num_attempts=attempts,
+                error_code=error, exposed_transfer_s=exposed_s,
+            ))
+
+
+_FINISH = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+    pb.FINISH_REASON_ERROR: FinishReason.ERROR,
+}
+

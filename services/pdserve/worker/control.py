@@ -1,0 +1,90 @@
+"""The worker's clients of the control plane: the coordinator (ticket progress, leases, release)
+and its pool manager (registration and heartbeats). Workers speak gRPC only."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.api.v1 import common_pb2 as pb
+from pdserve.api.v1 import kv_transfer_pb2 as kv_pb
+from pdserve.api.v1 import kv_transfer_pb2_grpc as kv_grpc
+from pdserve.api.v1 import pool_pb2
+from pdserve.api.v1 import pool_pb2_grpc
+from pdserve.common.convert import load_to_pb, token_to_pb, worker_state_to_pb
+from pdserve.common.grpc_client import error_from_rpc_error
+from pdserve.state.types import FencingToken, TicketState, WorkerLoad, WorkerState
+from pdserve.worker.agent import TransferTiming
+from pdserve.worker.servicer import stats_to_pb
+
+_STATE_TO_PB = {
+    TicketState.PREFILLING: pb.TICKET_STATE_PREFILLING,
+    TicketState.TRANSFERRING: pb.TICKET_STATE_TRANSFERRING,
+    TicketState.DONE: pb.TICKET_STATE_DONE,
+}
+
+
+class GrpcControlPlane:
+    """Implements ``pdserve.worker.agent.ControlPlane`` against the coordinator."""
+
+    def __init__(self, channel: grpc.aio.Channel, worker_id: str, timeout_s: float = 5.0) -> None:
+        self._stub = kv_grpc.KvTransferServiceStub(channel)
+        self.worker_id = worker_id
+        self._timeout_s = timeout_s
+
+    async def report(self, token: FencingToken, state: TicketState, timing: TransferTiming | None) -> None:
+        request = kv_pb.UpdateProgressRequest(token=token_to_pb(token), state=_STATE_TO_PB[state],
+                                              reporter_id=self.worker_id)
+        if timing is not None:
+            request.stats.CopyFrom(stats_to_pb(timing))
+        await self._call(self._stub.UpdateProgress, request)
+
+    async def renew(self, token: FencingToken, lease_s: float) -> None:
+        await self._call(self._stub.RenewLease, kv_pb.RenewLeaseRequest(
+            token=token_to_pb(token), lease_ms=int(lease_s * 1000)))
+
+    async def release(self, token: FencingToken) -> None:
+        await self._call(self._stub.ReleaseTicket, kv_pb.ReleaseTicketRequest(token=token_to_pb(token)))
+
+    async def _call(self, method, request) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await method(request, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+
+
+class PoolClient:
+    def __init__(self, channel: grpc.aio.Channel, join_token: str, timeout_s: float = 5.0) -> None:
+        self._stub = pool_pb2_grpc.PoolServiceStub(channel)
+        self._join_token = join_token
+        self._timeout_s = timeout_s
+
+    async def register(self, info: pb.WorkerInfo, expected_cold_start_s: float) -> pool_pb2.RegisterResponse:
+        try:
+            return await self._stub.Register(pool_pb2.RegisterRequest(
+                join_token=self._join_token, worker=info, expected_cold_start_s=expected_cold_start_s,
+            ), timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+
+    async def heartbeat(self, info: pb.WorkerInfo, state: WorkerState, load: WorkerLoad,
+                        held_blocks: dict[str, int], added: list[int], removed: list[int],
+                        is_full: bool) -> pool_pb2.HeartbeatResponse:
+        request = pool_pb2.HeartbeatRequest(
+            worker_id=info.worker_id, state=worker_state_to_pb(state), load=load_to_pb(load),
+            added_prefix_hashes=added, removed_prefix_hashes=removed,
+            is_full_prefix_report=is_full, join_token=self._join_token, worker=info,
+        )
+        for key, num_blocks in held_blocks.items():
+            token = FencingToken.parse(key)
+            request.held_blocks.add(token=token_to_pb(token), num_blocks=num_blocks)
+        try:
+            return await self._stub.Heartbeat(request, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+
+    async def deregister(self, worker_id: str) -> None:
+        try:
+            await self._stub.Deregister(pool_pb2.DeregisterRequest(worker_id=worker_id),
+                                        timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None

@@ -1,0 +1,160 @@
+"""One worker process: engine, agent, gRPC server, and the membership loop (register, cold
+start, heartbeats, drain). ``pdserve serve worker`` runs ``run_worker``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from pdserve.api.v1 import common_pb2 as pb
+from pdserve.api.v1 import worker_pb2_grpc
+from pdserve.common.convert import role_to_pb, worker_state_to_pb
+from pdserve.common.errors import NotFoundError, PdserveError, UnauthenticatedError
+from pdserve.common.grpc_client import open_channel
+from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.service_settings import WorkerSettings
+from pdserve.state.types import WorkerRole, WorkerState
+from pdserve.worker.agent import AgentConfig, WorkerAgent
+from pdserve.worker.control import GrpcControlPlane, PoolClient
+from pdserve.worker.engine import Engine
+from pdserve.worker.servicer import SERVICE_NAME, WorkerAgentServicer
+from pdserve.worker.transports.registry import get_backend
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    if settings.engine == "sim":
+        from pdserve.worker.engines.sim import SimConfig, SimEngine
+
+        return SimEngine(SimConfig(
+            model=settings.model, gpu=settings.gpu, tp_size=settings.tp_size,
+            block_size_tokens=settings.block_size_tokens, max_num_blocks=settings.max_num_blocks,
+            kv_scale=settings.kv_scale, speedup=settings.speedup,
+            num_kv_layers=settings.num_kv_layers,
+        ))
+    if settings.engine == "tiny":
+        from pdserve.worker.engines.tiny import TinyConfig, TinyEngine
+
+        return TinyEngine(TinyConfig(block_size_tokens=settings.block_size_tokens))
+    raise PdserveError(f"PDSERVE_ENGINE: expected sim or tiny, got {settings.engine!r}")
+
+
+class WorkerProcess:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.engine = build_engine(settings)
+        self._coordinator_channel = open_channel(settings.coordinator_address, settings)
+        self._pool_channel = open_channel(settings.pool_address, settings)
+        self.control = GrpcControlPlane(self._coordinator_channel, settings.worker_id)
+        self.pool = PoolClient(self._pool_channel, settings.join_token)
+        self.agent = WorkerAgent(
+            AgentConfig(worker_id=settings.worker_id, deployment=settings.deployment,
+                        role=settings.role, transport=settings.transport,
+                        max_batch_size=settings.max_batch_size,
+                        is_prefix_cache_simulated=settings.engine == "sim"),
+            self.engine, get_backend(settings.transport), self.control,
+        )
+        self.server = GrpcServer.from_settings(settings)
+        self.server.add_servicer(SERVICE_NAME,
+                                 worker_pb2_grpc.add_WorkerAgentServiceServicer_to_server,
+                                 WorkerAgentServicer(self.agent, self.describe))
+        self.address = ""
+        self.heartbeat_interval_s = 1.0
+        self._needs_full_prefix_report = True
+
+    def describe(self) -> pb.WorkerInfo:
+        layout = self.engine.layout
+        return pb.WorkerInfo(
+            worker_id=self.agent.config.worker_id, deployment=self.settings.deployment,
+            role=role_to_pb(self.settings.role), state=worker_state_to_pb(self.agent.state),
+            address=self.address, kv_address=self.agent.kv_address, engine=self.engine.name,
+            gpu=self.settings.gpu, tp_size=self.settings.tp_size, model=self.settings.model,
+            num_gpus=self.settings.tp_size,
+            kv_layout=pb.KvLayout(num_layers=layout.num_layers, num_blocks=layout.num_blocks,
+                                  block_size_tokens=layout.block_size_tokens,
+                                  block_nbytes=layout.block_nbytes),
+            kv_transports=[self.settings.transport],
+        )
+
+    async def start(self) -> None:
+        await self.agent.start(self.settings.kv_host, self.settings.kv_port)
+        port = await self.server.start()
+        self.address = f"{self.settings.advertise_host}:{port}"
+        response = await self.pool.register(self.describe(), self.settings.cold_start_s)
+        self.agent.config = dataclasses.replace(self.agent.config, worker_id=response.worker_id)
+        self.control.worker_id = response.worker_id
+        self.heartbeat_interval_s = max(0.05, response.heartbeat_interval_ms / 1000)
+        self.agent.state = WorkerState.LOADING
+        logger.info("worker %s registered; grpc %s kv %s", response.worker_id, self.address,
+                    self.agent.kv_address)
+
+    async def heartbeat(self) -> None:
+        is_full = self._needs_full_prefix_report
+        if is_full:
+            added, removed = self.agent.all_prefix_hashes(), []
+        else:
+            added, removed = self.agent.take_prefix_delta()
+        held = self.agent.held_blocks() if self.settings.role is WorkerRole.DECODE else {}
+        response = await self.pool.heartbeat(self.describe(), self.agent.state, self.agent.load(),
+                                             held, added, removed, is_full)
+        self._needs_full_prefix_report = response.should_send_full_prefix_report
+        if response.should_drain:
+            self.agent.begin_drain("pool manager asked")
+
+    async def run(self, stop: asyncio.Event, on_ready: Callable[[WorkerProcess], None] | None = None) -> None:
+        """Cold start, then heartbeats until drained or ``stop``."""
+        loop = asyncio.get_running_loop()
+        ready_at = loop.time() + self.settings.cold_start_s / self.settings.cold_start_speedup
+        while not stop.is_set():
+            if self.agent.state is WorkerState.LOADING and loop.time() >= ready_at:
+                self.agent.state = WorkerState.READY
+                logger.info("worker %s ready", self.agent.config.worker_id)
+                if on_ready is not None:
+                    on_ready(self)
+            if self.agent.state is WorkerState.DRAINING and self.agent.num_in_flight == 0:
+                self.agent.state = WorkerState.DRAINED
+            try:
+                await self.heartbeat()
+                await self.agent.renew_queued_leases()
+            except UnauthenticatedError:
+                logger.error("the pool refused this worker's join token; stopping")
+                stop.set()
+                break
+            except NotFoundError:
+                logger.warning("the pool does not know this worker; registering again")
+                self._needs_full_prefix_report = True
+            except PdserveError as exc:
+                logger.warning("heartbeat failed: %s", exc.message)
+            if self.agent.state is WorkerState.DRAINED:
+                logger.info("worker %s drained", self.agent.config.worker_id)
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), self.heartbeat_interval_s)
+            except TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        self.agent.begin_drain("shutting down")
+        await self.server.stop()
+        try:
+            await self.pool.deregister(self.agent.config.worker_id)
+        except PdserveError:
+            pass
+        await self.agent.close()
+        await self._coordinator_channel.close()
+        await self._pool_channel.close()
+
+
+async def run_worker(settings: WorkerSettings, stop: asyncio.Event,
+                     announce: Callable[[str], None] = print) -> None:
+    process = WorkerProcess(settings)
+    await process.start()
+    announce(f"worker {process.agent.config.worker_id} grpc {process.address} "
+             f"kv {process.agent.kv_address}")
+    try:
+        await process.run(stop, lambda p: announce(f"ready worker {p.agent.config.worker_id}"))
+    finally:
+        await process.close()
