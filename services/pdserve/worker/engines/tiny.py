@@ -53,9 +53,10 @@ from pdserve.worker.engine import KvCache, KvLayout, Sequence
 
 _F32 = np.float32
 _F32_NBYTES = 4
-# Queries per attention chunk in prefill: bounds the score matrix to
-# num_heads x chunk x context floats (8 x 128 x 4096 x 4 B = 16 MiB at the defaults).
-_PREFILL_QUERY_CHUNK = 128
+# Queries per attention chunk in prefill: the chunk's scores, num_heads x chunk x context floats
+# (8 x 32 x 4096 x 4 B = 4 MiB at the defaults), stay in cache through the softmax passes;
+# measured fastest of 16..256 on a 2,000-token prompt.
+_PREFILL_QUERY_CHUNK = 32
 
 
 @dataclass(frozen=True, slots=True)
