@@ -189,7 +189,7 @@ class TinyEngine:
         rng = np.random.default_rng(c.seed)
 
         def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
-            return (rng.standard_normal(shape, dtype=_F32) * _F32(std)).astype(_F32)
+            return rng.standard_normal(shape, dtype=_F32) * _F32(std)
 
         h, hd = c.hidden_size, c.head_dim
         q_out, kv_out = c.num_heads * hd, c.num_kv_heads * hd
