@@ -381,3 +381,33 @@ def test_choose_num_slots_trades_balance_against_kv() -> None:
     best, _ = choose_num_slots(memory, tight, balance)
     assert best.num_slots == 64, "when KV binds, every redundant slot costs sequences"
     assert best.goodput_proxy == pytest.approx(min(600 / 10.0, 0.6 * 100.0))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    is_hierarchical=st.booleans(),
+    slots_per_gpu=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    drift=st.floats(0.0, 1.0),
+    tolerance=st.sampled_from([0.0, 0.01, 0.05]),
+)
+def test_property_replan_keeps_contracts_and_target(
+    is_hierarchical: bool, slots_per_gpu: int, seed: int, drift: float, tolerance: float
+) -> None:
+    num_experts, num_gpus, num_nodes, num_groups = 32, 16, 4, 8
+    if slots_per_gpu * num_gpus < num_experts:
+        slots_per_gpu = num_experts // num_gpus
+    policy = HIER if is_hierarchical else GLOBAL
+    topology = PlacementTopology(slots_per_gpu * num_gpus, num_gpus, num_nodes, num_groups, policy)
+    loads = zipf_loads(seed, num_layers=3, num_experts=num_experts, skew=1.0)
+    current = plan_expert_placement(loads, topology)
+    rng = np.random.default_rng(seed + 1)
+    drifted = loads * np.exp(rng.normal(0.0, drift, loads.shape))
+    plan = replan_with_migration(current, drifted, expert_bytes=7, balance_tolerance=tolerance)
+    assert_contracts(plan.placement, 3, num_experts)
+    if is_hierarchical:
+        assert_groups_on_nodes(plan.placement, num_experts)
+    achieved = gpu_balancedness(plan.placement, drifted)
+    assert (achieved >= plan.target_balancedness - tolerance - 1e-9).all()
+    changed = (plan.placement.slot_to_expert != current.slot_to_expert).sum(axis=1)
+    assert (changed == plan.layer_num_experts_moved).all() and plan.bytes_moved == 7 * changed.sum()

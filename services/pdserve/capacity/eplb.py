@@ -45,7 +45,13 @@ from pdserve.capacity.eplb_memory import (
     RedundancyOption,
     choose_num_slots,
 )
-from pdserve.capacity.eplb_migration import align_to_current, recount_current, revert_toward_current
+from pdserve.capacity.eplb_migration import (
+    align_to_current,
+    greedy_match,
+    recount_current,
+    repack_extremes,
+    revert_toward_current,
+)
 from pdserve.capacity.eplb_refine import SearchGoal, SearchSpace, refine_slot_map
 from pdserve.common.errors import InvalidArgumentError
 
@@ -266,10 +272,11 @@ def replan_with_migration(
     A layer's re-plan is accepted once its GPU balancedness is within ``balance_tolerance``
     (absolute, in [0, 1)) of a refined plan from scratch for the new loads, or at least as good as
     that plan. Per layer the qualifying candidate with the fewest changed slots wins (see
-    ``_migrate``): the current placement unchanged, improved by a move-averse local search (each
-    step the move that relieves the heaviest GPU most per slot changed, stopping at the
-    tolerance), re-counted to the copy counts of a plan from scratch and then improved, or a plan
-    from scratch relabelled to match the current one as far as possible. ``expert_bytes`` is
+    ``_migrate``): the current placement unchanged or improved by a move-averse local search
+    (each step the move that relieves the heaviest GPU most per slot changed, stopping at the
+    tolerance); re-counted to the copy counts of a plan from scratch, with a growing number of
+    GPUs re-packed, or (hierarchical) with groups moved to a better node split, then improved;
+    or a plan from scratch relabelled to match the current one. ``expert_bytes`` is
     one expert copy's weights in bytes (``DEEPSEEK_V3_EXPERT_BYTES`` for DeepSeek-V3).
     """
     topology = current.topology
@@ -319,34 +326,43 @@ def _migrate(
 ) -> np.ndarray:
     """Per layer the plan with the fewest changed slots whose heaviest GPU is within ``accept_max``.
 
-    Candidates, the cheaper ones tried on every layer and the costly ones only where nothing
-    qualified yet: 1. the current placement; 2. the current placement improved by move-averse
-    local search; 3. the current placement with its copy counts changed to those of a plan from
-    scratch that keeps the current groups on their nodes, then improved the same way; 4. that plan
-    from scratch, relabelled onto the current one, with slots given back to their current expert
-    where the target allows; 5. the same from the unconstrained plan from scratch (``scratch``),
-    which always qualifies.
+    Candidates, the cheap ones on every layer, the costlier ones only on layers that no earlier
+    candidate satisfied:
+
+    1. the current placement, and it improved by move-averse local search;
+    2. the current placement re-counted to the copy counts of a plan from scratch that keeps the
+       current groups on their nodes, then improved the same way;
+    3. that, with the heaviest and lightest GPUs re-packed together (2, 4, 8, ... of them);
+    4. hierarchical only: groups moved to a new node split (the best single swap of two groups,
+       then the split of the plan from scratch), re-counted and improved;
+    5. a plan from scratch relabelled onto the current one, with slots given back to their current
+       expert where the target allows (first the one that keeps groups on their nodes, then the
+       unconstrained ``scratch``, which always qualifies).
     """
-    space = _search_space(topology)
-    goal = SearchGoal(
-        max_steps=_step_budget(topology), target_max_load=accept_max, is_move_averse=True
-    )
     nodes = _alignment_nodes(topology)
-    limit = accept_max * (1 + 1e-12)
     chosen = old.copy()
-    fewest_moves = np.full(old.shape[0], np.iinfo(np.int64).max)
+    never = np.iinfo(np.int64).max
+    fewest_moves = np.full(old.shape[0], never)
 
     def offer(rows: np.ndarray, plans: np.ndarray, is_final: bool = False) -> np.ndarray:
         moves = (plans != old[rows]).sum(axis=1)
-        is_ok = (_max_gpu_load(plans, loads[rows], topology) <= limit[rows]) | is_final
+        is_ok = (
+            _max_gpu_load(plans, loads[rows], topology) <= accept_max[rows] * (1 + 1e-12)
+        ) | is_final
         is_better = is_ok & (moves < fewest_moves[rows])
         chosen[rows[is_better]] = plans[is_better]
         fewest_moves[rows[is_better]] = moves[is_better]
-        return np.flatnonzero(fewest_moves == np.iinfo(np.int64).max)
+        return np.flatnonzero(fewest_moves == never)
+
+    def improve(rows: np.ndarray, plans: np.ndarray) -> np.ndarray:
+        goal = SearchGoal(
+            _step_budget(topology), target_max_load=accept_max[rows], is_move_averse=True
+        )
+        return refine_slot_map(plans, loads[rows], _search_space(topology), goal)
 
     every = np.arange(old.shape[0])
     offer(every, old)
-    offer(every, refine_slot_map(old, loads, space, goal))
+    offer(every, improve(every, old))
     if topology.policy is PlacementPolicy.HIERARCHICAL:
         group_node = _current_group_nodes(old, loads.shape[1], topology)
         pinned = _refined_slot_map(
@@ -354,10 +370,33 @@ def _migrate(
         )
     else:
         pinned = scratch
-    recounted = recount_current(
-        old, packing.copy_counts(pinned, loads.shape[1]), loads, topology.num_gpus, nodes
-    )
-    rows = offer(every, refine_slot_map(recounted, loads, space, goal))
+    counts = packing.copy_counts(pinned, loads.shape[1])
+    recounted = improve(every, recount_current(old, counts, loads, topology.num_gpus, nodes))
+    rows = offer(every, recounted)
+    num_pairs = 1
+    while rows.size and num_pairs <= topology.num_gpus // (2 * nodes):
+        repacked = repack_extremes(
+            recounted[rows], loads[rows], topology.num_gpus, nodes, num_pairs
+        )
+        rows = offer(rows, improve(rows, repacked))
+        num_pairs *= 2
+    if rows.size and topology.policy is PlacementPolicy.HIERARCHICAL and topology.num_nodes > 1:
+        for split in (_best_group_swap, _scratch_group_split):
+            if rows.size == 0:
+                break
+            new_split = split(loads[rows], topology, group_node[rows], scratch[rows])
+            moved = _place(loads[rows], topology, new_split)
+            moved = _refined_slot_map(loads[rows], topology, moved, group_node=new_split)
+            expert_node = np.repeat(new_split, loads.shape[1] // topology.num_groups, axis=1)
+            recount = recount_current(
+                old[rows],
+                packing.copy_counts(moved, loads.shape[1]),
+                loads[rows],
+                topology.num_gpus,
+                nodes,
+                expert_node,
+            )
+            rows = offer(rows, improve(rows, recount))
     for plan, is_final in ((pinned, False), (scratch, True)):
         if rows.size == 0:
             break
@@ -368,6 +407,53 @@ def _migrate(
         )
         rows = offer(rows, reverted, is_final)
     return chosen
+
+
+def _group_loads(loads: np.ndarray, num_groups: int) -> np.ndarray:
+    return loads.reshape(loads.shape[0], num_groups, -1).sum(axis=2)
+
+
+def _best_group_swap(
+    loads: np.ndarray, topology: PlacementTopology, group_node: np.ndarray, scratch: np.ndarray
+) -> np.ndarray:
+    """The node split after the one swap of two groups on different nodes that most lowers the
+    heaviest node (``[layers, groups]``); unchanged where no swap helps."""
+    group_loads = _group_loads(loads, topology.num_groups)
+    one_hot = group_node[:, :, None] == np.arange(topology.num_nodes)[None, None, :]
+    node_load = np.einsum("lg,lgn->ln", group_loads, one_hot)
+    # After swapping groups a and b: node(a) gains b - a, node(b) gains a - b.
+    delta = group_loads[:, None, :] - group_loads[:, :, None]
+    node_a = np.take_along_axis(node_load, group_node, axis=1)
+    new_a = node_a[:, :, None] + delta
+    new_b = node_a[:, None, :] - delta
+    # Heaviest node other than node(a) and node(b), which the swap leaves alone.
+    nodes = np.arange(topology.num_nodes)
+    is_untouched = (nodes != group_node[:, :, None, None]) & (nodes != group_node[:, None, :, None])
+    others = np.where(is_untouched, node_load[:, None, None, :], -np.inf).max(axis=3)
+    value = np.maximum(np.maximum(new_a, new_b), others)
+    is_valid = group_node[:, :, None] != group_node[:, None, :]
+    value = np.where(is_valid, value, np.inf).reshape(loads.shape[0], -1)
+    best = np.argmin(value, axis=1)
+    improves = value[np.arange(loads.shape[0]), best] < node_load.max(axis=1) * (1 - 1e-12)
+    split = group_node.copy()
+    for layer in np.flatnonzero(improves).tolist():
+        a, b = divmod(int(best[layer]), topology.num_groups)
+        split[layer, a], split[layer, b] = group_node[layer, b], group_node[layer, a]
+    return split
+
+
+def _scratch_group_split(
+    loads: np.ndarray, topology: PlacementTopology, group_node: np.ndarray, scratch: np.ndarray
+) -> np.ndarray:
+    """The node split of the plan from scratch, its nodes renamed to share most groups with now."""
+    split = _current_group_nodes(scratch, loads.shape[1], topology)
+    renamed = np.empty_like(split)
+    for layer in range(split.shape[0]):
+        nodes = np.arange(topology.num_nodes)
+        in_new = (split[layer][:, None] == nodes[None, :]).astype(np.int64)
+        in_now = (group_node[layer][:, None] == nodes[None, :]).astype(np.int64)
+        renamed[layer] = greedy_match(in_new.T @ in_now)[split[layer]]
+    return renamed
 
 
 def _current_group_nodes(

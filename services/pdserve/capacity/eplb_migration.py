@@ -1,16 +1,24 @@
-"""Relabel a new expert placement so that it keeps as many slots of the current one as it can.
+"""Kernels for re-planning with few expert-weight moves (see ``eplb.replan_with_migration``).
 
-GPU numbering and the order of slots on a GPU carry no meaning for balance, so a plan computed
-from scratch can be relabelled freely: whole GPUs are matched to current GPUs by how many experts
-they share (greedily, largest overlap first), and on each GPU an expert that already sits in a
-slot stays in that slot. When nodes must stay whole (hierarchical policy), nodes are matched first
-and GPUs only within matched nodes. Every slot whose expert still changes is one expert copy to
-load.
+* ``align_to_current`` relabels a plan computed from scratch so that it keeps as many slots of the
+  current placement as it can. GPU numbering and slot order on a GPU carry no meaning for
+  balance: whole GPUs are matched to current GPUs by how many experts they share (greedily,
+  largest overlap first) and on each GPU an expert already in a slot keeps it. When nodes must
+  stay whole (hierarchical policy) nodes are matched first, GPUs only within matched nodes.
+* ``revert_toward_current`` gives slots of a plan back their current expert where balance allows.
+* ``recount_current`` changes the current copy counts (and, optionally, the node of whole
+  groups) by rewriting as few slots as possible.
+* ``repack_extremes`` re-packs the heaviest and lightest GPUs together (a large-neighbourhood step
+  for when single moves are stuck).
+
+Every slot whose expert changes is one expert copy to load.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from pdserve.capacity.eplb_packing import balanced_packing, copy_counts, refine_packing
 
 
 def align_to_current(
@@ -45,7 +53,7 @@ def _match_gpus(
         new_nodes = _histograms(new_gpus.reshape(num_nodes, -1), num_experts)
         current_nodes = _histograms(current_gpus.reshape(num_nodes, -1), num_experts)
         node_overlap = np.minimum(new_nodes[:, None, :], current_nodes[None, :, :]).sum(axis=2)
-        node_map = _greedy_match(node_overlap)
+        node_map = greedy_match(node_overlap)
     else:
         node_map = np.zeros(1, dtype=np.int64)
     new_to_current = np.empty(num_gpus, dtype=np.int64)
@@ -57,7 +65,7 @@ def _match_gpus(
         has_expert = _histograms(current_block, num_experts) > 0
         # overlap[i, j]: experts of new GPU i that current GPU j holds too.
         overlap = has_expert[:, new_block].sum(axis=2).T
-        gpu_map = _greedy_match(overlap)
+        gpu_map = greedy_match(overlap)
         new_to_current[new_node * gpus_per_node : (new_node + 1) * gpus_per_node] = (
             current_node * gpus_per_node + gpu_map
         )
@@ -72,8 +80,11 @@ def _histograms(rows: np.ndarray, num_experts: int) -> np.ndarray:
     return flat.reshape(num_rows, num_experts)
 
 
-def _greedy_match(overlap: np.ndarray) -> np.ndarray:
-    """Perfect matching of rows to columns of a square ``overlap``: largest overlaps first."""
+def greedy_match(overlap: np.ndarray) -> np.ndarray:
+    """Perfect matching of rows to columns of a square ``overlap``: largest overlaps first.
+
+    ``match[row]`` is the column; rows left without a positive overlap take free columns in order.
+    """
     size = overlap.shape[0]
     match = np.full(size, -1, dtype=np.int64)
     is_taken = np.zeros(size, dtype=bool)
@@ -190,22 +201,31 @@ def recount_current(
     expert_loads: np.ndarray,
     num_gpus: int,
     num_nodes: int,
+    expert_node: np.ndarray | None = None,
 ) -> np.ndarray:
     """Change ``current``'s copy counts to ``target_counts`` by rewriting as few slots as possible.
 
     Per layer, an expert with too many copies gives up those on its heaviest GPUs; the freed
     slots go to experts with too few, heaviest new copy first, each to the lightest GPU with a
-    freed slot that does not hold the expert yet (on the expert's node when ``num_nodes`` > 1:
-    nodes whose experts must stay together; the caller guarantees per-node totals match).
-    Exactly ``sum(max(0, target - current))`` slots change per layer. A start for local search.
+    freed slot that does not hold the expert yet. With ``num_nodes`` > 1 (nodes whose experts must
+    stay together) a copy only goes to its expert's node: ``expert_node`` (``[layers, experts]``)
+    when given, which may move whole groups (all their copies are rewritten), otherwise the node
+    the expert is on now. The caller guarantees that the target counts fill every node exactly.
+    A start for local search.
     """
     num_layers, num_slots = current.shape
     slots_per_gpu = num_slots // num_gpus
     slots_per_node = num_slots // num_nodes
     recounted = current.copy()
     for layer in range(num_layers):
+        home = None if expert_node is None else expert_node[layer]
         recounted[layer] = _recount_layer(
-            current[layer], target_counts[layer], expert_loads[layer], slots_per_gpu, slots_per_node
+            current[layer],
+            target_counts[layer],
+            expert_loads[layer],
+            slots_per_gpu,
+            slots_per_node,
+            home,
         )
     return recounted
 
@@ -216,14 +236,25 @@ def _recount_layer(
     loads: np.ndarray,
     slots_per_gpu: int,
     slots_per_node: int,
+    home: np.ndarray | None,
 ) -> np.ndarray:
     plan = current.copy()
-    counts = np.bincount(plan, minlength=target.size)
+    node_of_slot = np.arange(plan.size) // slots_per_node
+    if home is None:
+        home = np.empty(target.size, dtype=np.int64)
+        home[plan] = node_of_slot
+    else:
+        plan[home[plan] != node_of_slot] = -1
+    counts = np.bincount(plan[plan >= 0], minlength=target.size)
     if (counts == target).all():
         return plan
     weight = loads / target
-    gpu_load = weight[plan].reshape(-1, slots_per_gpu).sum(axis=1)
     gpu_of_slot = np.arange(plan.size) // slots_per_gpu
+    gpu_load = np.bincount(
+        gpu_of_slot[plan >= 0],
+        weights=weight[plan[plan >= 0]],
+        minlength=plan.size // slots_per_gpu,
+    )
     for expert in np.flatnonzero(counts > target).tolist():
         slots = np.flatnonzero(plan == expert)
         freed = slots[np.argsort(-gpu_load[gpu_of_slot[slots]], kind="stable")][
@@ -235,8 +266,7 @@ def _recount_layer(
     copies = np.repeat(deficit, (target - counts)[deficit])
     for expert in copies[np.argsort(-weight[copies], kind="stable")].tolist():
         free = np.flatnonzero(plan == -1)
-        home = np.flatnonzero(current == expert)[0] // slots_per_node
-        free = free[free // slots_per_node == home]
+        free = free[node_of_slot[free] == home[expert]]
         holds = np.array(
             [
                 (plan[g * slots_per_gpu : (g + 1) * slots_per_gpu] == expert).any()
@@ -248,3 +278,49 @@ def _recount_layer(
         plan[slot] = expert
         gpu_load[gpu_of_slot[slot]] += weight[expert]
     return plan
+
+
+def repack_extremes(
+    slot_to_expert: np.ndarray,
+    expert_loads: np.ndarray,
+    num_gpus: int,
+    num_nodes: int,
+    num_pairs: int,
+) -> np.ndarray:
+    """Re-pack the ``num_pairs`` heaviest and lightest GPUs of each layer together.
+
+    A large-neighbourhood step for when single moves are stuck: the copies on those GPUs (on the
+    heaviest GPU's node when ``num_nodes`` > 1 nodes must stay whole) are balanced-packed anew
+    among them and swap-refined, then matched back onto the same GPUs so that copies that can
+    stay do. At most ``2 * num_pairs * slots_per_gpu`` slots change per layer.
+    """
+    num_layers, num_slots = slot_to_expert.shape
+    slots_per_gpu = num_slots // num_gpus
+    gpus_per_node = num_gpus // num_nodes
+    num_experts = expert_loads.shape[1]
+    counts = copy_counts(slot_to_expert, num_experts)
+    weights = np.take_along_axis(expert_loads / np.maximum(counts, 1), slot_to_expert, axis=1)
+    gpu_load = weights.reshape(num_layers, num_gpus, slots_per_gpu).sum(axis=2)
+    repacked = slot_to_expert.copy()
+    for layer in range(num_layers):
+        node = int(np.argmax(gpu_load[layer])) // gpus_per_node if num_nodes > 1 else 0
+        span = (
+            np.arange(node * gpus_per_node, (node + 1) * gpus_per_node)
+            if num_nodes > 1
+            else np.arange(num_gpus)
+        )
+        by_load = span[np.argsort(gpu_load[layer, span], kind="stable")]
+        size = min(num_pairs, by_load.size // 2)
+        if size < 1:
+            continue
+        chosen = np.concatenate([by_load[-size:], by_load[:size]])
+        blocks = repacked[layer].reshape(num_gpus, slots_per_gpu)
+        items = blocks[chosen].ravel()
+        item_weight = weights[layer].reshape(num_gpus, slots_per_gpu)[chosen].ravel()[None, :]
+        pack, _ = balanced_packing(item_weight, chosen.size)
+        pack = refine_packing(item_weight, pack, chosen.size, max_steps=4 * items.size)[0]
+        new_gpus = items[np.argsort(pack, kind="stable")].reshape(chosen.size, slots_per_gpu)
+        mapping = _match_gpus(new_gpus, blocks[chosen], 1, num_experts)
+        for index, target in enumerate(mapping.tolist()):
+            blocks[chosen[target]] = _order_like(new_gpus[index], blocks[chosen[target]].copy())
+    return repacked
