@@ -36,6 +36,7 @@ class WorkerSettings(CommonSettings):
     coordinator_address: str = setting(parser=ADDRESS, help="host:port of the KV-transfer coordinator.")
     join_token: str = setting(help="Secret that admits this worker to its pool.", is_secret=True)
     advertise_host: str = setting("127.0.0.1", help="Host other processes use to reach this worker.")
+    advertise_host_from_hostname: bool = setting(False, help="Advertise this machine's host name instead of advertise_host (containers).")
     engine: str = setting("sim", help="Engine backend: sim or tiny.")
     model: str = setting(DEFAULT_MODEL, help="Model from the catalog (sim engine).")
     gpu: str = setting(DEFAULT_GPU, help="GPU from the catalog (sim engine).")

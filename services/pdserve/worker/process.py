@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 from collections.abc import Callable
 
 from pdserve.api.v1 import common_pb2 as pb
@@ -79,10 +80,20 @@ class WorkerProcess:
             kv_transports=[self.settings.transport],
         )
 
+    @property
+    def advertise_host(self) -> str:
+        if self.settings.advertise_host_from_hostname:
+            return socket.gethostname()
+        return self.settings.advertise_host
+
     async def start(self) -> None:
         await self.agent.start(self.settings.kv_host, self.settings.kv_port)
+        kv_host, _, kv_port = self.agent.kv_address.rpartition(":")
+        if kv_host.strip("[]") in ("0.0.0.0", "::", ""):
+            # Bound to every interface: peers need an address they can reach.
+            self.agent.kv_address = f"{self.advertise_host}:{kv_port}"
         port = await self.server.start()
-        self.address = f"{self.settings.advertise_host}:{port}"
+        self.address = f"{self.advertise_host}:{port}"
         response = await self.pool.register(self.describe(), self.settings.cold_start_s)
         self.agent.config = dataclasses.replace(self.agent.config, worker_id=response.worker_id)
         self.control.worker_id = response.worker_id
