@@ -1,0 +1,1 @@
+"""Alembic scripts of pdserve's durable store. Run them through ``pdserve.db.migrate``."""
