@@ -83,20 +83,28 @@ def synthetic_loads(seed: int) -> dict[str, np.ndarray]:
     """Token counts per (layer, expert) following the recipe of the shared data set.
 
     Popularity proportional to (rank + 1) ** -s over a fresh permutation per layer (the grouped
-    case multiplies a Zipf(0.8) factor over the 8 groups of 32 consecutive experts), then 16,384
-    tokens each pick 8 distinct experts by Gumbel-top-k.
+    case ranks experts within each of the 8 groups of 32 consecutive experts and multiplies a
+    Zipf(0.8) factor over the groups), then 16,384 tokens each pick 8 distinct experts by
+    Gumbel-top-k.
     """
     rng = np.random.default_rng(seed)
+    group_size = NUM_EXPERTS // NUM_GROUPS
+    tiny = np.finfo(np.float32).tiny
     matrices = {}
     for key in MATRIX_KEYS:
         skew = float(key.rsplit("_s", 1)[1])
+        is_grouped = key.startswith("grouped")
         rows = []
         for _ in range(NUM_LAYERS):
-            popularity = (rng.permutation(NUM_EXPERTS) + 1.0) ** -skew
-            if key.startswith("grouped"):
+            if is_grouped:
+                # Ranks within each group (this reproduces the shared matrices' spread).
+                rank = np.concatenate([rng.permutation(group_size) for _ in range(NUM_GROUPS)])
                 group_factor = (rng.permutation(NUM_GROUPS) + 1.0) ** -0.8
-                popularity = popularity * np.repeat(group_factor, NUM_EXPERTS // NUM_GROUPS)
-            scores = np.log(popularity) + rng.gumbel(size=(16_384, NUM_EXPERTS))
+                popularity = (rank + 1.0) ** -skew * np.repeat(group_factor, group_size)
+            else:
+                popularity = (rng.permutation(NUM_EXPERTS) + 1.0) ** -skew
+            uniform = np.maximum(rng.random((16_384, NUM_EXPERTS), dtype=np.float32), tiny)
+            scores = np.log(popularity).astype(np.float32) - np.log(-np.log(uniform))
             chosen = np.argpartition(-scores, 8, axis=1)[:, :8]
             rows.append(np.bincount(chosen.ravel(), minlength=NUM_EXPERTS))
         matrices[key] = np.array(rows, dtype=float)
@@ -345,7 +353,7 @@ def write_plot(rows: list[dict], series: dict) -> str:
     except ImportError:
         return "matplotlib not installed: no plot written"
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    figure, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    figure, axes = plt.subplots(1, 4, figsize=(24, 5.5))
     positions = np.arange(len(rows))
     axes[0].bar(positions - 0.27, [r["base"] for r in rows], 0.27, label="baseline (greedy)")
     axes[0].bar(positions, [r["ours"] for r in rows], 0.27, label="refined")
@@ -356,6 +364,12 @@ def write_plot(rows: list[dict], series: dict) -> str:
     axes[0].set_ylabel("mean GPU balancedness")
     axes[0].set_title("Balancedness per config / load matrix")
     axes[0].legend(fontsize=8)
+    axes[3].bar(positions - 0.2, [r["node_base"] for r in rows], 0.4, label="baseline (greedy)")
+    axes[3].bar(positions + 0.2, [r["node_ours"] for r in rows], 0.4, label="refined")
+    axes[3].set_xticks(positions, [r["label"] for r in rows], rotation=75, fontsize=7)
+    axes[3].set_ylabel("mean node balancedness")
+    axes[3].set_title("Node balancedness (hot GPUs spread over nodes)")
+    axes[3].legend(fontsize=8)
     for name, record in series.items():
         steps = np.arange(1, len(record["migration_moved"]) + 1)
         (line,) = axes[1].plot(
