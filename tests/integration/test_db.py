@@ -34,6 +34,7 @@ ROUND_TRIPS: list[Callable[[Repository], None]] = [
     contract.check_transfer_stats,
     contract.check_expert_placements,
     contract.check_times_are_utc,
+    contract.check_concurrent_writers,
 ]
 
 

@@ -19,6 +19,7 @@ from pdserve.db import (
     Repository,
     RequestWindowRecord,
     WorkerEventRecord,
+    check_at_head,
     current,
     head,
     make_engine,
@@ -37,6 +38,7 @@ ROUND_TRIPS: list[Callable[[Repository], None]] = [
     contract.check_transfer_stats,
     contract.check_expert_placements,
     contract.check_times_are_utc,
+    contract.check_concurrent_writers,
 ]
 
 
@@ -78,6 +80,18 @@ def test_upgrade_by_url_creates_the_file_and_its_directory(tmp_path: Path) -> No
     assert current(url) == head()
 
 
+def test_a_revision_this_pdserve_does_not_ship_is_a_config_error(engine: sa.Engine) -> None:
+    with pytest.raises(ConfigError, match="nonexistent"):
+        upgrade(engine, "nonexistent")
+    upgrade(engine)
+    with engine.begin() as connection:  # as if a newer pdserve had migrated this database
+        connection.execute(sa.text("UPDATE pdserve_alembic_version SET version_num = 'from-v9'"))
+    with pytest.raises(ConfigError, match="from-v9"):
+        upgrade(engine)
+    with pytest.raises(ConfigError, match="pdserve db upgrade"):
+        check_at_head(engine)
+
+
 def test_in_memory_database_is_shared_across_threads_of_one_engine() -> None:
     repo = Repository.from_url("sqlite://", clock=contract.StepClock())
     try:
@@ -85,6 +99,7 @@ def test_in_memory_database_is_shared_across_threads_of_one_engine() -> None:
         event = WorkerEventRecord("d-1", "llama", WorkerRole.DECODE, WorkerState.READY)
         stored = asyncio.run(asyncio.to_thread(repo.record_worker_event, event))
         assert repo.list_worker_events(worker_id="d-1") == [stored]
+        contract.check_concurrent_writers(repo)
         assert current("sqlite://") is None  # another engine, another (empty) database
     finally:
         repo.close()

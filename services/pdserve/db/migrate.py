@@ -26,6 +26,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy.engine import URL, Connection, Engine
 
 from pdserve.common.errors import ConfigError
@@ -79,12 +80,27 @@ def _lock(connection: Connection) -> None:
                            {"key": MIGRATION_LOCK_KEY})
 
 
+@contextmanager
+def _explained(revision: str) -> Iterator[None]:
+    """Alembic's errors (unknown revision asked for, or found in the database, e.g. one written by
+    a newer pdserve) as ``ConfigError``."""
+    try:
+        yield
+    except CommandError as error:
+        raise ConfigError(
+            f"cannot migrate to {revision!r}: {error} (this pdserve knows revisions up to "
+            f"{head()})"
+        ) from error
+
+
 def upgrade(target: Target, revision: str = "head") -> str | None:
     """Migrate the database up to ``revision``; returns the revision it is at afterwards.
 
-    Idempotent: upgrading a database that is already there changes nothing.
+    Idempotent: upgrading a database that is already there changes nothing. Raises
+    ``ConfigError`` for a bad URL, or for a revision (asked for, or found in the database) that
+    this pdserve does not ship.
     """
-    with _ALEMBIC_LOCK, _transaction(target) as connection:
+    with _ALEMBIC_LOCK, _transaction(target) as connection, _explained(revision):
         _lock(connection)
         command.upgrade(alembic_config(connection), revision)
         return _current(connection)
@@ -92,7 +108,7 @@ def upgrade(target: Target, revision: str = "head") -> str | None:
 
 def downgrade(target: Target, revision: str) -> str | None:
     """Migrate down to ``revision`` (``"base"`` drops every pdserve table, and its data)."""
-    with _ALEMBIC_LOCK, _transaction(target) as connection:
+    with _ALEMBIC_LOCK, _transaction(target) as connection, _explained(revision):
         _lock(connection)
         command.downgrade(alembic_config(connection), revision)
         return _current(connection)

@@ -13,8 +13,9 @@ Lists are newest first. Errors are ``pdserve.common.errors`` types:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,7 +31,7 @@ from pdserve.common.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from pdserve.db.engine import SETTING, make_engine
+from pdserve.db.engine import SETTING, is_sqlite_memory, make_engine
 from pdserve.db.models import (
     CapacityPlan,
     Deployment,
@@ -96,6 +97,9 @@ class Repository:
         self._engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._clock = clock
+        # In-memory SQLite is one connection shared by every thread: one transaction at a time.
+        is_shared = is_sqlite_memory(engine.url)
+        self._serial: AbstractContextManager[Any] = threading.Lock() if is_shared else nullcontext()
 
     @classmethod
     def from_url(cls, url: str | URL, *, clock: WallClock = utc_now) -> Repository:
@@ -119,7 +123,7 @@ class Repository:
     @contextmanager
     def _transaction(self) -> Iterator[Session]:
         try:
-            with self._sessions.begin() as session:
+            with self._serial, self._sessions.begin() as session:
                 yield session
         except IntegrityError as exc:
             raise AlreadyExistsError(f"record exists already: {_first_line(exc.orig)}") from exc

@@ -9,6 +9,7 @@ on a difference. Services may use ``StepClock`` and a SQLite repository in their
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
 
 import sqlalchemy as sa
@@ -269,3 +270,24 @@ def check_times_are_utc(repo: Repository) -> None:
     assert event.at == tokyo
     assert event.at is not None and event.at.utcoffset() == timedelta(0)
     assert event.at.hour == 12 and event.at.microsecond == 123456
+
+
+def check_concurrent_writers(repo: Repository) -> None:
+    """Services share one repository from many threads (``asyncio.to_thread``): no write is
+    lost or refused."""
+    num_threads, num_writes = 4, 25
+
+    def write(thread: int) -> None:
+        for i in range(num_writes):
+            repo.record_worker_event(WorkerEventRecord(
+                f"w-{thread}", "busy", WorkerRole.DECODE, WorkerState.READY, reason=str(i)))
+            repo.record_transfer_stats([sample_transfer(f"c-{thread}-{i}", deployment="busy")])
+
+    with ThreadPoolExecutor(max_workers=num_threads) as pool:
+        list(pool.map(write, range(num_threads)))
+    events = repo.list_worker_events(deployment="busy", limit=1000)
+    assert len(events) == num_threads * num_writes
+    assert len(repo.list_transfer_stats("busy", limit=1000)) == num_threads * num_writes
+    for thread in range(num_threads):
+        reasons = [e.reason for e in events if e.worker_id == f"w-{thread}"]
+        assert sorted(reasons, key=int) == [str(i) for i in range(num_writes)]
