@@ -154,7 +154,10 @@ def test_concurrent_upgrades_all_reach_head(schema_url: URL) -> None:
 
 
 def test_an_unreachable_database_is_unavailable() -> None:
-    repo = Repository.from_url("postgresql://nobody@127.0.0.1:1/pdserve?connect_timeout=2")
+    url = "postgresql://nobody@127.0.0.1:1/pdserve?connect_timeout=2"
+    with pytest.raises(UnavailableError, match="database unavailable"):
+        upgrade(url)
+    repo = Repository.from_url(url)
     try:
         with pytest.raises(UnavailableError, match="database unavailable"):
             repo.record_worker_event(

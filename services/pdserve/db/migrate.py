@@ -28,8 +28,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
 
-from pdserve.common.errors import ConfigError
+from pdserve.common.errors import ConfigError, UnavailableError
 from pdserve.db.engine import SETTING, make_engine
 from pdserve.db.models import Base
 
@@ -64,6 +65,8 @@ def _transaction(target: Target) -> Iterator[Connection]:
     try:
         with engine.begin() as connection:
             yield connection
+    except (OperationalError, InterfaceError) as error:
+        raise UnavailableError(f"database unavailable: {str(error.orig).strip()}") from error
     finally:
         if engine is not target:
             engine.dispose()
@@ -98,7 +101,7 @@ def upgrade(target: Target, revision: str = "head") -> str | None:
 
     Idempotent: upgrading a database that is already there changes nothing. Raises
     ``ConfigError`` for a bad URL, or for a revision (asked for, or found in the database) that
-    this pdserve does not ship.
+    this pdserve does not ship; ``UnavailableError`` if the database cannot be reached.
     """
     with _ALEMBIC_LOCK, _transaction(target) as connection, _explained(revision):
         _lock(connection)
