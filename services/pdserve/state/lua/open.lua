@@ -42,6 +42,6 @@ redis.call('HSET', key,
   'created_s', now, 'updated_s', now, 'request_id', ARGV[10], 'num_prompt_tokens', ARGV[11],
   'reason', '', 'purge_s', '')
 redis.call('ZADD', LEASES, deadline, ticket_id)
-redis.call('ZREMRANGEBYSCORE', INDEX, '-inf', '(' .. now)
+redis.call('ZREMRANGEBYSCORE', INDEX, '-inf', now)  -- retention over (as _is_purged)
 redis.call('ZADD', INDEX, '+inf', ticket_id)
 return hash_reply(key)
