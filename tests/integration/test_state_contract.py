@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
-from helpers import StepClock
+from helpers import LedgerModelMachine, StepClock
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
 from redis.crc import key_slot
 
 from pdserve.common.errors import (
@@ -686,3 +688,15 @@ def test_open_backend_picks_by_scheme() -> None:
         open_backend("postgres://x", clock)
     with pytest.raises(ConfigError):
         StateOptions(key_prefix="a{b")
+
+
+def test_redis_ledger_matches_its_model(redis_url: str) -> None:
+    """Random call sequences on Redis, every outcome predicted by a plain model."""
+
+    class RedisLedgerMachine(LedgerModelMachine):
+        state_url = redis_url
+
+    run_state_machine_as_test(
+        RedisLedgerMachine,
+        settings=settings(max_examples=100, stateful_step_count=40, deadline=None),
+    )
