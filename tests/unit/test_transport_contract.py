@@ -41,6 +41,7 @@ from pdserve.worker.transports.frames import (
     encode_frame,
     layer_frame_prefix,
 )
+from pdserve.worker.transports.tcp import format_address, parse_address
 
 LAYOUT = KvLayout(num_layers=4, num_blocks=64, block_size_tokens=16, block_nbytes=4096)
 NUM_TICKET_BLOCKS = 12
@@ -432,6 +433,14 @@ def test_coalesce_block_runs() -> None:
     ids = np.array([4, 5, 6, 9, 3, 4, 10])
     assert coalesce_block_runs(ids) == [(4, 3), (9, 1), (3, 2), (10, 1)]
     assert coalesce_block_runs(np.array([], dtype=np.int64)) == []
+
+
+def test_tcp_addresses() -> None:
+    assert parse_address("10.0.0.1:7000") == ("10.0.0.1", 7000)
+    assert parse_address(format_address("::1", 7001)) == ("::1", 7001)
+    for bad in ("10.0.0.1", ":7000", "host:port"):
+        with pytest.raises(InvalidArgumentError):
+            parse_address(bad)
 
 
 def test_destination_spec_proto_round_trip() -> None:
