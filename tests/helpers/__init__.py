@@ -264,12 +264,11 @@ class LedgerModelMachine(RuleBasedStateMachine):
     def reconcile(self, worker_id: str, data: st.DataObject) -> None:
         """The worker reports some of what the ledger has live there: the rest, if older than
         the grace period, is released; nothing is adopted (every reported token is known)."""
-        live = sorted(
-            (t for t, e in self.expected.items()
-             if e.worker_id == worker_id and e.holding != "free"),
-            key=str,
-        )
-        reported = data.draw(st.lists(st.sampled_from(live), unique=True) if live else st.just([]))
+        live = [  # in opening order: what is drawn must not depend on the random ticket ids
+            t for t, e in self.expected.items() if e.worker_id == worker_id and e.holding != "free"
+        ]
+        is_reported = data.draw(st.lists(st.booleans(), min_size=len(live), max_size=len(live)))
+        reported = [t for t, is_in in zip(live, is_reported, strict=True) if is_in]
         report = {str(t): self.expected[t].num_blocks for t in reported}
         total = self.totals[worker_id]
         if sum(report.values()) > total:
