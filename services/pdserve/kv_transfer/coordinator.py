@@ -10,12 +10,13 @@ and a restarted coordinator's reaper picks up every lapsed lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.common.errors import InvalidArgumentError, UnavailableError
+from pdserve.common.errors import InvalidArgumentError, StaleTokenError, UnavailableError
 from pdserve.state.interfaces import TicketLedger, WorkerStore
 from pdserve.state.types import (
     Clock,
@@ -65,6 +66,22 @@ class TransferStatsSink(Protocol):
 class NullNotifier:
     async def ticket_ended(self, ticket: Ticket) -> None:
         return None
+
+
+_PROGRESS_ORDER = {
+    TicketState.OPEN: 0,
+    TicketState.PREFILLING: 1,
+    TicketState.TRANSFERRING: 2,
+    TicketState.DONE: 3,
+}
+
+
+def _is_behind(reported: TicketState, current: TicketState) -> bool:
+    """A progress report that arrives after the ticket moved past it (reports travel off the
+    token path, so PREFILLING can land after DONE)."""
+    if current.is_terminal:
+        return reported is not TicketState.DONE or current is TicketState.DONE
+    return _PROGRESS_ORDER.get(reported, 9) < _PROGRESS_ORDER.get(current, 0)
 
 
 class KvTransferCoordinator:
@@ -132,11 +149,13 @@ class KvTransferCoordinator:
         self, token: FencingToken, state: TicketState, record: TransferRecord | None = None
     ) -> Ticket:
         current = await self._ledger.get(token)
-        if state is current.state and not state.is_terminal:
-            ticket = current  # idempotent progress report
+        if state is current.state:
+            ticket = current  # a repeated report (a retried call) changes nothing
+        elif _is_behind(state, current.state):
+            return current  # a late progress report after a later state: ignore, don't fail
         else:
             ticket = await self._ledger.transition(token, state)
-        if state is TicketState.DONE:
+        if state is TicketState.DONE and not ticket.is_held:
             ticket = await self._ledger.mark_held(token)
             if record is not None and self._stats_sink is not None:
                 self._stats_sink.record(record)
@@ -149,9 +168,11 @@ class KvTransferCoordinator:
     async def abort(self, token: FencingToken, reason: str) -> Ticket:
         ticket = await self._ledger.get(token)
         if ticket.state.is_terminal:
-            if ticket.state is TicketState.DONE and ticket.is_held:
-                # A finished sequence being cancelled: its blocks go back now.
-                ticket = await self._ledger.release(token)
+            if ticket.state is TicketState.DONE:
+                # A finished ticket being cancelled: its blocks (held by the sequence, or still
+                # reserved if mark_held never ran) go back now rather than at lease expiry.
+                with contextlib.suppress(StaleTokenError):
+                    ticket = await self._ledger.release(token)
             return ticket
         ticket = await self._ledger.transition(token, TicketState.ABORTED, reason or "aborted")
         self._publish(ticket)

@@ -178,10 +178,12 @@ class PoolManager:
         record = await self._backend.workers.heartbeat(beat.worker_id, beat.load, self.policy.record_ttl_s)
         if self.policy.role is WorkerRole.DECODE and beat.held_blocks is not None:
             if beat.load.num_total_blocks > 0:
-                await self._backend.tickets.set_capacity(beat.worker_id, beat.load.num_total_blocks)
+                # Reconcile first: after a store loss it re-adopts the sequences the worker holds
+                # before any new ticket can reserve their blocks.
                 await self._backend.tickets.reconcile(
                     BlockReport(beat.worker_id, beat.load.num_total_blocks, dict(beat.held_blocks))
                 )
+                await self._backend.tickets.set_capacity(beat.worker_id, beat.load.num_total_blocks)
         if self.policy.role is WorkerRole.PREFILL and (
             beat.added_prefix_hashes or beat.removed_prefix_hashes or beat.is_full_prefix_report
         ):

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from pdserve.common.errors import (
@@ -116,6 +117,10 @@ class _PrefillJob:
     future: asyncio.Future[tuple[int, TransferTiming, int]]
     phase: str = "queued"
     cancel_reason: str = ""
+    reported_state: TicketState | None = None
+    trace_context: otel_context.Context | None = None
+    """The Prefill call's trace context: the job runs on the prefill loop's task, which would
+    otherwise start a trace of its own."""
 
 
 class WorkerAgent:
@@ -473,7 +478,8 @@ class WorkerAgent:
         if key in self._prefill_jobs:
             raise InvalidArgumentError(f"token: ticket {key} is already queued", field="token")
         job = _PrefillJob(token, list(prompt_token_ids), destination, lease_s, request_id,
-                          asyncio.get_running_loop().create_future())
+                          asyncio.get_running_loop().create_future(),
+                          trace_context=otel_context.get_current())
         self._prefill_jobs[key] = job
         self._prefill_queue.append(job)
         self._num_queued_prefill_tokens += len(prompt_token_ids)
@@ -496,6 +502,7 @@ class WorkerAgent:
                 await self._prefill_wakeup.wait()
                 continue
             job = self._prefill_queue.popleft()
+            attached = otel_context.attach(job.trace_context) if job.trace_context is not None else None
             try:
                 if job.cancel_reason:
                     raise StaleTokenError(f"ticket {job.token} dropped: {job.cancel_reason}")
@@ -510,12 +517,13 @@ class WorkerAgent:
                     job.future.set_result(result)
             finally:
                 self._num_queued_prefill_tokens -= len(job.prompt_token_ids)
+                if attached is not None:
+                    otel_context.detach(attached)
 
     async def _run_prefill(self, job: _PrefillJob) -> tuple[int, TransferTiming, int]:
         layout = self.engine.layout
         prompt = job.prompt_token_ids
         job.phase = "prefilling"
-        self._control(job.token, self.control.report(job.token, TicketState.PREFILLING, None))
         hashes = prefix_block_hashes(prompt, layout.block_size_tokens)
         num_cached_blocks = 0
         for value in hashes:
@@ -560,7 +568,6 @@ class WorkerAgent:
                     if first_sent is None:
                         first_sent = time.perf_counter()
                         job.phase = "sending"
-                        self._control(job.token, self.control.report(job.token, TicketState.TRANSFERRING, None))
                     with tracer.start_as_current_span("prefill.send_layer") as layer_span:
                         layer_span.set_attribute("pdserve.layer", item)
                         await sender.offer_layer(item, block_ids[:len(job.destination.block_ids)])
@@ -599,9 +606,21 @@ class WorkerAgent:
             self._prefix_added.discard(evicted)
 
     async def renew_queued_leases(self) -> None:
-        """Prefill side: the waiting side renews; called periodically by the membership loop."""
-        for job in list(self._prefill_queue):
-            self._control(job.token, self.control.renew(job.token, job.lease_s))
+        """Prefill side, called periodically (the heartbeat cadence): renew the leases of queued
+        prompts (the waiting side renews) and report the progress of prompts in flight.
+
+        Progress is reported here rather than as it happens, so a prompt that goes from queue to
+        landed between two calls costs the coordinator nothing but the decode side's DONE; only
+        long prefills and transfers show PREFILLING / TRANSFERRING in the ticket's history.
+        """
+        for job in list(self._prefill_jobs.values()):
+            if job.phase == "queued":
+                self._control(job.token, self.control.renew(job.token, job.lease_s))
+                continue
+            state = TicketState.PREFILLING if job.phase == "prefilling" else TicketState.TRANSFERRING
+            if job.reported_state is not state:
+                job.reported_state = state
+                self._control(job.token, self.control.report(job.token, state, None))
 
     # -- either side --------------------------------------------------------------------------
 
