@@ -77,7 +77,7 @@ async def _up(settings: UpSettings) -> int:
     from pdserve.capacity.app import GovernorApp
     from pdserve.router.app import RouterApp
     from pdserve.router.clients import LocalTicketClient
-    from pdserve.state.types import WorkerRole, WorkerState
+    from pdserve.state.types import WorkerRole
 
     runtime = setup_process(settings)
     stop = asyncio.Event()
@@ -138,9 +138,8 @@ async def _up(settings: UpSettings) -> int:
     try:
         started = time.monotonic()
         while not stop.is_set():
-            workers = await stores.backend.workers.list(settings.model)
-            ready = [w for w in workers if w.state is WorkerState.READY]
-            num_ready = {r: sum(1 for w in ready if w.role is r) for r in WorkerRole}
+            # Ready means the router can route: count what its pool view sees, not the store.
+            num_ready = {r: len(router.view.ready(settings.model, r)) for r in WorkerRole}
             if (num_ready[WorkerRole.PREFILL] >= settings.num_prefill
                     and num_ready[WorkerRole.DECODE] >= settings.num_decode):
                 _announce(f"ready model {settings.model}: {settings.num_prefill} prefill, "

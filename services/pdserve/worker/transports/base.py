@@ -733,12 +733,14 @@ def coalesce_block_runs(block_ids: np.ndarray) -> list[tuple[int, int]]:
     Consecutive blocks of one layer are contiguous in memory, so a run is one buffer: one
     ``sendmsg``/``recvmsg_into`` entry instead of one per block.
     """
-    if block_ids.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(block_ids) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [block_ids.size]))
-    return [(int(block_ids[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+    # A plain loop: a prompt has tens of blocks, where numpy's per-call overhead dominates.
+    runs: list[list[int]] = []
+    for block_id in block_ids.tolist():
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, 1])
+    return [(first, count) for first, count in runs]
 
 
 def layer_block_views(kv_cache: KvCache, layer: int, block_ids: np.ndarray) -> list[memoryview]:
