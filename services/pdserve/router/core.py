@@ -301,6 +301,7 @@ class Router:
         decode_call = None
         prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None = None
         first = True
+        is_finished = False
         try:
             decode_request = worker_pb2.DecodeRequest(
                 token=token_to_pb(token), prompt_token_ids=prompt,
@@ -339,6 +340,7 @@ class Router:
                     exposed_s = message.stats.exposed_ms / 1000
                 first = False
                 finish = _FINISH.get(message.finish_reason)
+                is_finished = finish is not None
                 yield GenerationChunk(
                     token_ids=tuple(message.token_ids), finish_reason=finish,
                     prefill_worker_id=decision.prefill_worker_id,
@@ -347,6 +349,11 @@ class Router:
                 if finish is not None:
                     return
         except BaseException:
+            if is_finished:
+                # The caller closed this generator after the final chunk (GeneratorExit at the
+                # yield): the attempt succeeded. Aborting here would race the decode worker's
+                # best-effort DONE report and turn a finished ticket into ABORTED.
+                raise
             # Failure or cancellation: free everything the ticket holds, on both sides.
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
