@@ -31,13 +31,45 @@ class Stores:
             await self.redis_client.aclose()
 
 
-def open_stores(settings: CommonSettings) -> Stores:
-    backend = open_backend(settings.redis_url, time.time)
-    if settings.redis_url.startswith("memory"):
-        return Stores(backend, MemoryPrefixIndex(), MemoryRendezvous())
+REDIS_MAX_CONNECTIONS = 128
+"""Connections per Redis client of a service process."""
+REDIS_POOL_WAIT_S = 10.0
+"""How long a command waits for a free connection when all are busy."""
+
+
+def _redis_client(url: str, **kwargs: Any) -> Any:
+    """A Redis client whose commands wait for a free connection when all are busy.
+
+    redis-py's default asyncio pool (100 connections since 8.x) fails the 101st concurrent
+    command at once with ``MaxConnectionsError``; a burst of a few hundred requests makes the
+    coordinator hit that, and ticket opens, progress reports and releases then fail as
+    UNAVAILABLE (seen in the multi-process e2e test). A blocking pool queues them instead.
+    """
     import redis.asyncio as aioredis
 
-    client = aioredis.from_url(settings.redis_url)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=REDIS_MAX_CONNECTIONS, timeout=REDIS_POOL_WAIT_S, **kwargs)
+    client = aioredis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # aclose() closes the pool it owns
+    return client
+
+
+def open_stores(settings: CommonSettings) -> Stores:
+    if settings.redis_url.startswith("memory"):
+        return Stores(open_backend(settings.redis_url, time.time), MemoryPrefixIndex(),
+                      MemoryRendezvous())
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from pdserve.state.redis_backend import RedisStateBackend
+
+    # The client options of ``RedisStateBackend.from_url`` (RESP2, decoded strings, no automatic
+    # retries), with the blocking pool; from_url takes no pool options.
+    backend = RedisStateBackend(
+        _redis_client(settings.redis_url, decode_responses=True, protocol=2,
+                      retry=Retry(NoBackoff(), 0), socket_connect_timeout=5.0),
+        time.time)
+    client = _redis_client(settings.redis_url)
     return Stores(backend, RedisPrefixIndex(client), RedisRendezvous(client), client)
 
 
