@@ -147,13 +147,15 @@ class WorkerProcess:
             except TimeoutError:
                 pass
 
-    async def close(self) -> None:
+    async def close(self, *, is_registered: bool = True) -> None:
+        """Stop serving and free the engine; leave the pool when this worker had joined it."""
         self.agent.begin_drain("shutting down")
         await self.server.stop()
-        try:
-            await self.pool.deregister(self.agent.config.worker_id)
-        except PdserveError:
-            pass
+        if is_registered:
+            try:
+                await self.pool.deregister(self.agent.config.worker_id)
+            except PdserveError:
+                pass
         await self.agent.close()
         await self._coordinator_channel.close()
         await self._pool_channel.close()
@@ -162,7 +164,14 @@ class WorkerProcess:
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event,
                      announce: Callable[[str], None] = print) -> None:
     process = WorkerProcess(settings)
-    await process.start()
+    try:
+        await process.start()
+    except BaseException:
+        # E.g. the pool refused the join token: the gRPC server and KV receiver are already
+        # up and must be stopped before the loop closes. Never deregister here: this process
+        # did not join, and the worker id it names may be another worker's.
+        await process.close(is_registered=False)
+        raise
     announce(f"worker {process.agent.config.worker_id} grpc {process.address} "
              f"kv {process.agent.kv_address}")
     try:
