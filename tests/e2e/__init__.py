@@ -1,0 +1,1 @@
+"""End-to-end tests: services as real processes over real gRPC."""
