@@ -1,0 +1,395 @@
+"""The cold-start-aware autoscaler as a pure policy, driven through a small fluid model of two
+pools (instances launched at t serve from t + cold start; removed ones leave at once).
+
+The fluid model lives here on purpose: it checks the policy's arithmetic against demand it
+knows exactly, without the discrete-event simulator's queueing noise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from pdserve.capacity.autoscaler import (
+    Autoscaler,
+    AutoscalerConfig,
+    AutoscalerControls,
+    Demand,
+    HoltForecaster,
+    InstanceProfile,
+    PoolBounds,
+    SizingConfig,
+    instances_for,
+    size_pools,
+)
+from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
+from pdserve.common.errors import InvalidArgumentError
+
+PROFILE = InstanceProfile.from_catalog("llama-3.1-70b", "h100-sxm-80gb", prefill_tp_size=4,
+                                       decode_tp_size=4)
+SIZING = SizingConfig()
+INTERVAL_S = 60.0
+COLD_START_S = 600.0
+PROMPT, OUTPUT = 1155.0, 211.0
+
+
+def need(rate: float, prompt: float = PROMPT, output: float = OUTPUT) -> tuple[int, int]:
+    sizing = size_pools(PROFILE, SIZING, Demand(rate, prompt, output))
+    return instances_for(sizing.num_prefill), instances_for(sizing.num_decode)
+
+
+@dataclass
+class FluidPool:
+    """Instances of one pool: ready ones and (ready time) of starting ones."""
+
+    num_ready: int = 0
+    starting: list[float] = field(default_factory=list)
+
+    def advance(self, now_s: float) -> None:
+        self.num_ready += sum(1 for t in self.starting if t <= now_s)
+        self.starting = [t for t in self.starting if t > now_s]
+
+    def apply(self, target: int, now_s: float, cold_start_s: float) -> None:
+        live = self.num_ready + len(self.starting)
+        if target > live:
+            self.starting += [now_s + cold_start_s] * (target - live)
+        for _ in range(live - target):  # drain: not-yet-ready instances first
+            if self.starting:
+                self.starting.pop()
+            else:
+                self.num_ready -= 1
+
+    def observe(self) -> PoolObservation:
+        return PoolObservation(num_ready=self.num_ready, num_starting=len(self.starting),
+                               num_draining=0, utilization=0.5)
+
+
+@dataclass
+class Run:
+    times_s: list[float]
+    rates: list[float]
+    decisions: list[ScalingDecision]
+    ready: list[tuple[int, int]]  # (prefill, decode) ready at each decision, before it acts
+
+
+def drive(policy: Autoscaler, rate_at: Callable[[float], float], num_intervals: int, *,
+          prompt_at: Callable[[float], float] = lambda t: PROMPT,
+          output_at: Callable[[float], float] = lambda t: OUTPUT,
+          start: tuple[int, int] = (1, 1), actuate: bool = True) -> Run:
+    """Call the policy once per interval with the last interval's rate; the fluid pools follow
+    its targets unless ``actuate`` is False (dry run)."""
+    prefill, decode = FluidPool(num_ready=start[0]), FluidPool(num_ready=start[1])
+    run = Run([], [], [], [])
+    history: list[float] = []
+    for i in range(1, num_intervals + 1):
+        now_s = i * INTERVAL_S
+        prefill.advance(now_s)
+        decode.advance(now_s)
+        rate = rate_at(now_s)
+        history.append(rate)
+        decision = policy.decide(ScalingObservation(
+            now_s=now_s, deployment="d", interval_s=INTERVAL_S,
+            arrival_rates_per_s=tuple(history[-30:]), mean_prompt_tokens=prompt_at(now_s),
+            mean_output_tokens=output_at(now_s), prefill=prefill.observe(),
+            decode=decode.observe(), cold_start_s=COLD_START_S,
+        ))
+        run.times_s.append(now_s)
+        run.rates.append(rate)
+        run.decisions.append(decision)
+        run.ready.append((prefill.num_ready, decode.num_ready))
+        if actuate:
+            prefill.apply(decision.num_prefill, now_s, COLD_START_S)
+            decode.apply(decision.num_decode, now_s, COLD_START_S)
+    return run
+
+
+def noisy(base: Callable[[float], float], sd_fraction: float, seed: int) -> Callable[[float], float]:
+    rng = random.Random(seed)
+    cache: dict[float, float] = {}
+
+    def rate(t: float) -> float:
+        if t not in cache:
+            cache[t] = max(0.0, base(t) * (1.0 + rng.gauss(0.0, sd_fraction)))
+        return cache[t]
+    return rate
+
+
+def ramp(t: float) -> float:
+    """Flat at 10 req/s for an hour, then +0.5 req/s per minute for an hour, then flat."""
+    minutes = t / 60.0
+    return 10.0 + 0.5 * min(60.0, max(0.0, minutes - 60.0))
+
+
+# -- forecasting and look-ahead ----------------------------------------------------------
+
+
+def test_holt_follows_a_linear_trend() -> None:
+    forecaster = HoltForecaster(alpha=0.5, beta=0.3, damping=1.0)
+    for i in range(100):
+        forecaster.update(5.0 + 2.0 * i)
+    assert forecaster.forecast(10) == pytest.approx(5.0 + 2.0 * 109, rel=1e-3)
+    assert forecaster.path_max(10) == forecaster.forecast(10)
+
+
+def test_scales_up_ahead_of_a_ramp_by_the_lead_time() -> None:
+    run = drive(Autoscaler(PROFILE), ramp, 180)
+    lead_intervals = math.ceil((COLD_START_S + INTERVAL_S) / INTERVAL_S)
+    checked = 0
+    for i, (t, decision) in enumerate(zip(run.times_s, run.decisions, strict=True)):
+        if t < 63 * 60 or i + lead_intervals >= len(run.times_s):
+            continue  # the ramp starts at 60 min; three intervals of it show the trend
+        ahead = need(ramp(t + COLD_START_S))
+        assert decision.num_prefill >= ahead[0], (t, decision.inputs)
+        assert decision.num_decode >= ahead[1], (t, decision.inputs)
+        checked += 1
+    assert checked > 100
+    # What was decided a lead time earlier is what serves: ready instances cover the demand
+    # throughout the ramp, although every instance takes 10 minutes to start.
+    for t, rate, ready in zip(run.times_s, run.rates, run.ready, strict=True):
+        if t >= 63 * 60 + COLD_START_S:
+            assert ready[0] >= need(rate)[0] and ready[1] >= need(rate)[1], (t, rate, ready)
+
+
+def test_a_policy_blind_to_the_lead_falls_behind_on_the_same_ramp() -> None:
+    """The control for the test above: look ahead one interval only (as if starts were
+    instant) and the ready instances trail the ramp."""
+    policy = Autoscaler(PROFILE)
+    prefill, decode = FluidPool(num_ready=1), FluidPool(num_ready=1)
+    num_short = 0
+    history: list[float] = []
+    for i in range(1, 181):
+        now_s = i * INTERVAL_S
+        prefill.advance(now_s)
+        decode.advance(now_s)
+        history.append(ramp(now_s))
+        if now_s >= 75 * 60 and prefill.num_ready < need(ramp(now_s))[0]:
+            num_short += 1
+        decision = policy.decide(ScalingObservation(
+            now_s=now_s, deployment="d", interval_s=INTERVAL_S,
+            arrival_rates_per_s=tuple(history[-30:]), mean_prompt_tokens=PROMPT,
+            mean_output_tokens=OUTPUT, prefill=prefill.observe(), decode=decode.observe(),
+            cold_start_s=0.0))
+        prefill.apply(decision.num_prefill, now_s, COLD_START_S)
+        decode.apply(decision.num_decode, now_s, COLD_START_S)
+    assert num_short > 10
+
+
+def test_headroom_grows_with_forecast_error() -> None:
+    smooth = drive(Autoscaler(PROFILE), lambda t: 20.0, 120)
+    rough = drive(Autoscaler(PROFILE), noisy(lambda t: 20.0, 0.15, seed=1), 120)
+    smooth_headroom = smooth.decisions[-1].inputs["headroom_per_s"]
+    rough_headroom = rough.decisions[-1].inputs["headroom_per_s"]
+    assert rough.decisions[-1].inputs["headroom_source"] == "lead"
+    assert rough_headroom > 2 * smooth_headroom
+    assert rough_headroom > 0.15 * 20.0  # at least about one standard deviation of the noise
+    assert rough.decisions[-1].num_prefill > smooth.decisions[-1].num_prefill
+
+
+def test_decisions_carry_their_inputs_and_forecast() -> None:
+    run = drive(Autoscaler(PROFILE), ramp, 80)
+    inputs = run.decisions[-1].inputs
+    json.dumps(inputs, allow_nan=False)
+    for key in ("forecast_rate_per_s", "forecast_lead_s", "headroom_per_s", "prefill_need",
+                "decode_need", "prefill_target", "decode_target", "prefill_rate_per_instance",
+                "decode_rate_per_instance", "mean_prompt_tokens", "is_dry_run"):
+        assert key in inputs, key
+    assert inputs["forecast_lead_s"] == COLD_START_S + INTERVAL_S
+    assert inputs["prefill_target"] == run.decisions[-1].num_prefill
+    assert inputs["forecast_rate_per_s"] > inputs["observed_rate_per_s"]  # ramping: ahead
+
+
+# -- hysteresis ----------------------------------------------------------------------------
+
+
+def _changes(values: list[int]) -> list[tuple[int, int]]:
+    """(index, delta) of every change."""
+    return [(i, b - a) for i, (a, b) in enumerate(zip(values, values[1:]), start=1) if b != a]
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_hysteresis_prevents_flapping_on_noise(seed: int) -> None:
+    config = AutoscalerConfig()
+    run = drive(Autoscaler(PROFILE, config), noisy(lambda t: 18.0, 0.08, seed), 240)
+    delay = int(config.scale_down_delay_s / INTERVAL_S)
+    for pool in (0, 1):
+        targets = [(d.num_prefill, d.num_decode)[pool] for d in run.decisions][30:]
+        changes = _changes(targets)
+        assert len(changes) <= 4, changes
+        for (i, a), (j, b) in zip(changes, changes[1:]):
+            if a > 0 > b:  # up, then down: only after the scale-down delay
+                assert j - i >= delay, changes
+
+
+def test_scale_down_waits_then_steps() -> None:
+    config = AutoscalerConfig(scale_down_delay_s=600.0, max_scale_down_fraction=0.1)
+    run = drive(Autoscaler(PROFILE, config), lambda t: 60.0 if t < 120 * 60 else 6.0, 200,
+                start=(12, 12))
+    drop = next(i for i, t in enumerate(run.times_s) if t >= 120 * 60)
+    prefill = [d.num_prefill for d in run.decisions]
+    assert prefill[drop - 1] > need(6.0)[0] + 3
+    first_down = next(i for i in range(drop, len(prefill)) if prefill[i] < prefill[drop - 1])
+    assert (first_down - drop) * INTERVAL_S >= config.scale_down_delay_s
+    for a, b in zip(prefill[drop:], prefill[drop + 1:]):
+        assert a - b <= max(1, math.floor(0.1 * a))
+    assert prefill[-1] < prefill[drop - 1] / 2  # it does get there
+
+
+# -- operator controls ------------------------------------------------------------------------
+
+
+def test_gpu_budget_caps_both_pools() -> None:
+    controls = AutoscalerControls(max_gpus=40)
+    run = drive(Autoscaler(PROFILE, controls=controls), lambda t: 80.0, 30)
+    unlimited = drive(Autoscaler(PROFILE), lambda t: 80.0, 30)
+    for decision in run.decisions:
+        assert decision.num_prefill * 4 + decision.num_decode * 4 <= 40
+        assert decision.num_prefill >= 1 and decision.num_decode >= 1
+    last = unlimited.decisions[-1]
+    assert (last.num_prefill + last.num_decode) * 4 > 40  # the cap did bind
+    assert run.decisions[-1].num_prefill + run.decisions[-1].num_decode == 10
+
+
+def test_min_and_max_bounds() -> None:
+    controls = AutoscalerControls(prefill_bounds=PoolBounds(3, 5),
+                                  decode_bounds=PoolBounds(2, 1000))
+    low = drive(Autoscaler(PROFILE, controls=controls), lambda t: 0.2, 30)
+    high = drive(Autoscaler(PROFILE, controls=controls), lambda t: 60.0, 30)
+    assert all(d.num_prefill == 3 for d in low.decisions[1:])
+    assert all(d.num_decode >= 2 for d in low.decisions)
+    assert all(3 <= d.num_prefill <= 5 for d in high.decisions)
+    assert high.decisions[-1].num_prefill == 5 and high.decisions[-1].num_decode > 5
+
+
+def test_freeze_holds_targets() -> None:
+    policy = Autoscaler(PROFILE)
+    drive(policy, lambda t: 10.0, 20, start=need(10.0))
+    before = policy.decide(_observation(21, 10.0, (3, 3)))
+    policy.set_controls(AutoscalerControls(is_frozen=True))
+    frozen = [policy.decide(_observation(22 + i, 50.0, (3, 3))) for i in range(5)]
+    assert all((d.num_prefill, d.num_decode) == (before.num_prefill, before.num_decode)
+               for d in frozen)
+    assert all(d.inputs["decode_desired"] > before.num_decode for d in frozen)  # it would have
+    policy.set_controls(AutoscalerControls())
+    thawed = policy.decide(_observation(27, 50.0, (3, 3)))
+    assert thawed.num_prefill > before.num_prefill
+
+
+def _observation(i: int, rate: float, ready: tuple[int, int],
+                 starting: tuple[int, int] = (0, 0)) -> ScalingObservation:
+    return ScalingObservation(
+        now_s=i * INTERVAL_S, deployment="d", interval_s=INTERVAL_S,
+        arrival_rates_per_s=(rate,), mean_prompt_tokens=PROMPT, mean_output_tokens=OUTPUT,
+        prefill=PoolObservation(ready[0], starting[0], 0, 0.5),
+        decode=PoolObservation(ready[1], starting[1], 0, 0.5), cold_start_s=COLD_START_S)
+
+
+def test_dry_run_recommends_from_what_runs() -> None:
+    """Dry-run decisions are computed as usual but nothing actuates them, so each one starts
+    from the pool as observed (here it never grows) and says it is a dry run."""
+    dry = Autoscaler(PROFILE, controls=AutoscalerControls(is_dry_run=True, max_step_per_minute=2))
+    live = Autoscaler(PROFILE, controls=AutoscalerControls(max_step_per_minute=2))
+    dry_run = drive(dry, lambda t: 40.0, 10, actuate=False)
+    live_run = drive(live, lambda t: 40.0, 10, start=(1, 1))
+    assert all(d.inputs["is_dry_run"] == 1 for d in dry_run.decisions)
+    assert all(d.inputs["is_dry_run"] == 0 for d in live_run.decisions)
+    # Not actuated: every recommendation is "the 1 running + 2 allowed this minute".
+    assert [d.num_prefill for d in dry_run.decisions] == [3] * 10
+    # Actuated: the limit accumulates towards the need.
+    assert live_run.decisions[-1].num_prefill > 3
+
+
+def test_override_pins_targets_until_it_expires() -> None:
+    policy = Autoscaler(PROFILE)
+    drive(policy, lambda t: 10.0, 20, start=need(10.0))
+    policy.set_controls(AutoscalerControls(override_prefill_instances=9,
+                                           override_until_s=25 * INTERVAL_S))
+    pinned = [policy.decide(_observation(21 + i, 10.0, need(10.0))) for i in range(4)]
+    assert all(d.num_prefill == 9 for d in pinned)
+    assert all(d.num_decode == need(10.0)[1] or d.num_decode <= need(15.0)[1] for d in pinned)
+    assert "override" in pinned[0].reason
+    after = [policy.decide(_observation(25 + i, 10.0, (9, need(10.0)[1]))) for i in range(20)]
+    assert "override" not in after[0].reason
+    assert after[-1].num_prefill < 9  # back under the autoscaler (through its scale-down delay)
+
+
+def test_rate_limit_bounds_changes_per_minute() -> None:
+    controls = AutoscalerControls(max_step_per_minute=3)
+    policy = Autoscaler(PROFILE, controls=controls)
+    run = drive(policy, lambda t: 5.0 if t < 30 * 60 else 60.0, 60, start=need(5.0))
+    for pool in (0, 1):
+        targets = [(d.num_prefill, d.num_decode)[pool] for d in run.decisions]
+        for a, b in zip(targets, targets[1:]):
+            assert abs(b - a) <= 3
+    assert run.decisions[-1].num_prefill >= need(60.0)[0]  # limited, not stuck
+
+
+@pytest.mark.parametrize("controls, field_name", [
+    (AutoscalerControls(prefill_bounds=PoolBounds(-1, 4)), "prefill_bounds.min_instances"),
+    (AutoscalerControls(decode_bounds=PoolBounds(5, 4)), "decode_bounds.max_instances"),
+    (AutoscalerControls(override_prefill_instances=50, prefill_bounds=PoolBounds(1, 10)),
+     "override_prefill_instances"),
+    (AutoscalerControls(max_step_per_minute=-1), "max_step_per_minute"),
+    (AutoscalerControls(max_gpus=-2), "max_gpus"),
+    (AutoscalerControls(max_gpus=6, prefill_bounds=PoolBounds(1, 9),
+                        decode_bounds=PoolBounds(1, 9)), "max_gpus"),  # 2 x TP4 = 8 GPUs
+    (AutoscalerControls(override_until_s=math.inf), "override_until_s"),
+])
+def test_bad_controls_name_the_field(controls: AutoscalerControls, field_name: str) -> None:
+    with pytest.raises(InvalidArgumentError) as error:
+        Autoscaler(PROFILE, controls=controls)
+    assert error.value.field == field_name
+    policy = Autoscaler(PROFILE)
+    with pytest.raises(InvalidArgumentError):
+        policy.set_controls(controls)
+    assert policy.controls == AutoscalerControls()
+
+
+def test_controls_round_trip_through_plain_values() -> None:
+    controls = AutoscalerControls(is_dry_run=True, prefill_bounds=PoolBounds(2, 7),
+                                  override_decode_instances=4, override_until_s=123.5,
+                                  max_step_per_minute=2, max_gpus=64)
+    values = json.loads(json.dumps(controls.as_dict()))
+    assert AutoscalerControls.from_dict(values) == controls
+
+
+# -- the two pools are sized from different things -------------------------------------------
+
+
+def test_output_length_moves_decode_only() -> None:
+    base = drive(Autoscaler(PROFILE), lambda t: 20.0, 40)
+    longer = drive(Autoscaler(PROFILE), lambda t: 20.0, 40, output_at=lambda t: 3 * OUTPUT)
+    a, b = base.decisions[-1], longer.decisions[-1]
+    assert b.num_prefill == a.num_prefill
+    assert b.num_decode >= 2 * a.num_decode
+
+
+def test_prompt_length_moves_prefill_far_more_than_decode() -> None:
+    base = drive(Autoscaler(PROFILE), lambda t: 20.0, 40)
+    longer = drive(Autoscaler(PROFILE), lambda t: 20.0, 40, prompt_at=lambda t: 3 * PROMPT)
+    a, b = base.decisions[-1], longer.decisions[-1]
+    assert b.num_prefill >= 2.5 * a.num_prefill
+    # Decode sees longer prompts only as a longer context to read per step.
+    assert b.num_decode / a.num_decode < 0.6 * b.num_prefill / a.num_prefill
+
+
+def test_output_length_change_midway_scales_decode_alone() -> None:
+    run = drive(Autoscaler(PROFILE), lambda t: 20.0, 120,
+                output_at=lambda t: OUTPUT if t < 60 * 60 else 2.5 * OUTPUT)
+    before, after = run.decisions[58], run.decisions[-1]
+    assert after.num_prefill == before.num_prefill
+    assert after.num_decode > 1.8 * before.num_decode
+
+
+def test_size_pools_is_monotone_in_rate() -> None:
+    needs = [size_pools(PROFILE, SIZING, Demand(r, PROMPT, OUTPUT)) for r in (1, 5, 25, 125)]
+    assert all(a.num_prefill < b.num_prefill and a.num_decode < b.num_decode
+               for a, b in zip(needs, needs[1:]))
+    backlog = size_pools(PROFILE, SIZING, replace(Demand(25, PROMPT, OUTPUT),
+                                                  num_queued_prefill_tokens=200_000))
+    assert backlog.num_prefill > needs[2].num_prefill
+    assert backlog.num_decode == needs[2].num_decode
