@@ -7,6 +7,7 @@ knows exactly, without the discrete-event simulator's queueing noise.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -14,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pytest
-
 from pdserve.capacity.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
@@ -208,7 +208,7 @@ def test_decisions_carry_their_inputs_and_forecast() -> None:
 
 def _changes(values: list[int]) -> list[tuple[int, int]]:
     """(index, delta) of every change."""
-    return [(i, b - a) for i, (a, b) in enumerate(zip(values, values[1:]), start=1) if b != a]
+    return [(i, b - a) for i, (a, b) in enumerate(itertools.pairwise(values), start=1) if b != a]
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])
@@ -220,7 +220,7 @@ def test_hysteresis_prevents_flapping_on_noise(seed: int) -> None:
         targets = [(d.num_prefill, d.num_decode)[pool] for d in run.decisions][30:]
         changes = _changes(targets)
         assert len(changes) <= 4, changes
-        for (i, a), (j, b) in zip(changes, changes[1:]):
+        for (i, a), (j, b) in itertools.pairwise(changes):
             if a > 0 > b:  # up, then down: only after the scale-down delay
                 assert j - i >= delay, changes
 
@@ -323,7 +323,7 @@ def test_rate_limit_bounds_changes_per_minute() -> None:
     run = drive(policy, lambda t: 5.0 if t < 30 * 60 else 60.0, 60, start=need(5.0))
     for pool in (0, 1):
         targets = [(d.num_prefill, d.num_decode)[pool] for d in run.decisions]
-        for a, b in zip(targets, targets[1:]):
+        for a, b in itertools.pairwise(targets):
             assert abs(b - a) <= 3
     assert run.decisions[-1].num_prefill >= need(60.0)[0]  # limited, not stuck
 
@@ -388,7 +388,7 @@ def test_output_length_change_midway_scales_decode_alone() -> None:
 def test_size_pools_is_monotone_in_rate() -> None:
     needs = [size_pools(PROFILE, SIZING, Demand(r, PROMPT, OUTPUT)) for r in (1, 5, 25, 125)]
     assert all(a.num_prefill < b.num_prefill and a.num_decode < b.num_decode
-               for a, b in zip(needs, needs[1:]))
+               for a, b in itertools.pairwise(needs))
     backlog = size_pools(PROFILE, SIZING, replace(Demand(25, PROMPT, OUTPUT),
                                                   num_queued_prefill_tokens=200_000))
     assert backlog.num_prefill > needs[2].num_prefill
