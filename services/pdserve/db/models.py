@@ -129,7 +129,8 @@ class ScalingDecision(Base):
 
 class RequestWindow(Base):
     __tablename__ = "pdserve_request_windows"
-    __table_args__ = (sa.UniqueConstraint("deployment", "window_start", "window_s"),)
+    __table_args__ = (sa.UniqueConstraint("deployment", "window_start", "window_s", "source",
+                                        name="uq_pdserve_request_windows_window_source"),)
 
     id: Mapped[int] = mapped_column(RowId, primary_key=True)
     deployment: Mapped[str] = mapped_column(sa.String(128))
@@ -148,6 +149,8 @@ class RequestWindow(Base):
     tpot_p90_ms: Mapped[float | None] = mapped_column(sa.Double)
     tpot_p99_ms: Mapped[float | None] = mapped_column(sa.Double)
     num_misses_by_reason: Mapped[dict[str, Any]] = mapped_column(Json)
+    source: Mapped[str] = mapped_column(sa.String(128), server_default="")
+    """The router replica that counted these requests (windows of replicas add up)."""
 
 
 class TransferStats(Base):

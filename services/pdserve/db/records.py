@@ -202,8 +202,8 @@ class RequestWindowRecord:
     cancelled. The SLO miss counts are subsets of ``num_ok``, and one request may miss both.
     ``goodput_rps``: requests that met both SLOs, per second of window. Percentiles are None for
     a window without finished requests. ``num_misses_by_reason`` counts misses by ``MissReason``
-    value (where the time went). A window is identified by (deployment, window_start, window_s):
-    recording it again replaces it, so a retried write is harmless.
+    value (where the time went). A window is identified by (deployment, window_start, window_s,
+    source): recording it again replaces it, so a retried write is harmless.
     """
 
     deployment: str
@@ -222,6 +222,8 @@ class RequestWindowRecord:
     tpot_p90_ms: float | None = None
     tpot_p99_ms: float | None = None
     num_misses_by_reason: Mapping[str, int] = field(default_factory=dict)
+    source: str = ""
+    """The router replica that counted these requests; windows of different sources add up."""
 
     def __post_init__(self) -> None:
         _check_name(self.deployment, "deployment")
@@ -242,6 +244,8 @@ class RequestWindowRecord:
         for name in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
                      "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms"):
             _check_ms(getattr(self, name), name, is_optional=True)
+        _require(isinstance(self.source, str) and len(self.source) <= 128, "source",
+                 "must be a string of at most 128 characters")
         _check_json_object(self.num_misses_by_reason, "num_misses_by_reason")
         for reason, count in self.num_misses_by_reason.items():
             _check_count(count, f"num_misses_by_reason[{reason!r}]")

@@ -272,7 +272,8 @@ class Repository:
     # Request outcomes and transfers --------------------------------------------------------
 
     def record_request_window(self, record: RequestWindowRecord) -> RequestWindowRecord:
-        """Store the window, replacing one with the same (deployment, window_start, window_s)."""
+        """Store the window, replacing one with the same (deployment, window_start, window_s,
+        source)."""
         values = {
             "deployment": record.deployment,
             "window_start": _utc(record.window_start),
@@ -285,9 +286,10 @@ class Repository:
             "goodput_rps": float(record.goodput_rps),
             **{name: getattr(record, name) for name in _PERCENTILE_COLUMNS},
             "num_misses_by_reason": dict(record.num_misses_by_reason),
+            "source": record.source,
         }
         insert = self._insert(RequestWindow).values(values)
-        key = ("deployment", "window_start", "window_s")
+        key = ("deployment", "window_start", "window_s", "source")
         statement = insert.on_conflict_do_update(
             index_elements=[RequestWindow.__table__.c[name] for name in key],
             set_={name: insert.excluded[name] for name in values if name not in key},

@@ -113,6 +113,10 @@ class PoolManager:
 
     # -- membership ---------------------------------------------------------------------------
 
+    def check_join_token(self, join_token: str) -> None:
+        """Raise ``UnauthenticatedError`` unless ``join_token`` admits workers to this pool."""
+        self._check_token(join_token)
+
     def _check_token(self, join_token: str) -> None:
         if not hmac.compare_digest(join_token.encode(), self.policy.join_token.encode()):
             raise UnauthenticatedError("join_token: not valid for this pool")

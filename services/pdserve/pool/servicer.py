@@ -131,7 +131,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     async def Deregister(self, request: pool_pb2.DeregisterRequest, context: grpc.aio.ServicerContext) -> pool_pb2.DeregisterResponse:
         record = await self._workers.get(request.worker_id)
         if record is not None:
-            await self._for_role(record.role, "worker_id").deregister(request.worker_id)
+            manager = self._for_role(record.role, "worker_id")
+            manager.check_join_token(request.join_token)
+            await manager.deregister(request.worker_id)
         return pool_pb2.DeregisterResponse()
 
     async def Drain(self, request: pool_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> pool_pb2.DrainResponse:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 
 from pdserve.api.v1 import router_pb2_grpc
 from pdserve.common.grpc_server import GrpcServer
@@ -19,6 +21,11 @@ from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
+
+
+def replica_id() -> str:
+    """This router replica's name in durable records: host and process id."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def router_config(settings: RouterSettings) -> RouterConfig:
@@ -44,7 +51,8 @@ class RouterApp:
         self.follower = PoolFollower(backend, self.view)
         self.workers = WorkerClients(settings)
         self.outcomes = OutcomeAggregator(settings.slo_ttft_ms, settings.slo_tpot_ms,
-                                          settings.outcome_window_s, writer=window_writer)
+                                          settings.outcome_window_s, writer=window_writer,
+                                          source=replica_id())
         self.router = Router(router_config(settings), self.view, tickets, self.workers,
                              prefix_index, self.outcomes)
         self.servicer = RouterServicer(self.router, self.tokenizer)

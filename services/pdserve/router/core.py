@@ -121,6 +121,8 @@ class Router:
         self._outcome_sink = outcome_sink
         self._in_flight: dict[str, asyncio.Task[object] | None] = {}
         self._cancelled: set[str] = set()
+        self._pending_blocks: dict[str, int] = {}
+        self._pending_seqs: dict[str, int] = {}
 
     # -- front-end protocol -------------------------------------------------------------------
 
@@ -271,6 +273,8 @@ class Router:
                 num_total_blocks=w.record.load.num_total_blocks,
                 num_running_seqs=w.record.load.num_running_seqs,
                 block_size_tokens=w.block_size_tokens,
+                num_pending_blocks=self._pending_blocks.get(w.worker_id, 0),
+                num_pending_seqs=self._pending_seqs.get(w.worker_id, 0),
             ) for w in decoders],
             [PrefillCandidate(
                 worker_id=w.worker_id,
@@ -298,6 +302,8 @@ class Router:
             ), config.rpc_timeout_s)
         except (CapacityError, UnavailableError) as exc:
             raise _Retry(exc, (decode.worker_id,)) from None
+        self._pending_blocks[decode.worker_id] = self._pending_blocks.get(decode.worker_id, 0) + decision.num_blocks
+        self._pending_seqs[decode.worker_id] = self._pending_seqs.get(decode.worker_id, 0) + 1
         decode_call = None
         prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None = None
         first = True
@@ -363,6 +369,8 @@ class Router:
                 await asyncio.shield(self._tickets.abort(token, "router: attempt failed", config.rpc_timeout_s))
             raise
         finally:
+            self._pending_blocks[decode.worker_id] -= decision.num_blocks
+            self._pending_seqs[decode.worker_id] -= 1
             if prefill_task is not None:
                 if not prefill_task.done():
                     prefill_task.cancel()

@@ -61,9 +61,10 @@ def miss_reason(outcome: RequestOutcome, slo_ttft_s: float) -> MissReason:
 class OutcomeAggregator:
     def __init__(self, slo_ttft_ms: float, slo_tpot_ms: float, window_s: float,
                  clock: callable = None, writer: WindowWriter | None = None,  # type: ignore[valid-type]
-                 max_pending_windows: int = 1000) -> None:
+                 max_pending_windows: int = 1000, source: str = "") -> None:
         import time
 
+        self._source = source
         self._slo_ttft_s = slo_ttft_ms / 1000
         self._slo_tpot_s = slo_tpot_ms / 1000
         self._window_s = window_s
@@ -125,7 +126,7 @@ class OutcomeAggregator:
             ttft_p50_ms=pct(window.ttft_s, 50), ttft_p90_ms=pct(window.ttft_s, 90),
             ttft_p99_ms=pct(window.ttft_s, 99), tpot_p50_ms=pct(window.tpot_s, 50),
             tpot_p90_ms=pct(window.tpot_s, 90), tpot_p99_ms=pct(window.tpot_s, 99),
-            num_misses_by_reason=dict(window.misses),
+            num_misses_by_reason=dict(window.misses), source=self._source,
         )
 
     async def flush(self, *, is_final: bool = False) -> int:

@@ -44,6 +44,10 @@ class DecodeCandidate:
     num_running_seqs: int
     block_size_tokens: int
     num_cached_prefix_tokens: int = 0
+    num_pending_blocks: int = 0
+    """Blocks this router reserved there that the last heartbeat may not show yet."""
+    num_pending_seqs: int = 0
+    """Requests this router sent there and still has in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +86,13 @@ def num_blocks_to_reserve(request: RouteRequest, block_size_tokens: int, config:
 
 
 def _decode_score(candidate: DecodeCandidate, num_blocks: int, config: RoutingConfig) -> float:
-    free_after = (candidate.num_free_blocks - num_blocks) / max(1, candidate.num_total_blocks)
-    batch_pressure = min(1.0, candidate.num_running_seqs / max(1, config.max_running_seqs))
+    # Pending reservations count against a worker in the score (its heartbeat is up to one
+    # period old, and a burst must not pile onto the worker that looked emptiest), but not in
+    # the feasibility check: the ledger, not this estimate, has the last word on room.
+    free = candidate.num_free_blocks - candidate.num_pending_blocks
+    free_after = (free - num_blocks) / max(1, candidate.num_total_blocks)
+    running = max(candidate.num_running_seqs, candidate.num_pending_seqs)
+    batch_pressure = min(1.0, running / max(1, config.max_running_seqs))
     return free_after - config.batch_pressure_weight * batch_pressure
 
 

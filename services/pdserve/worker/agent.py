@@ -60,6 +60,31 @@ class TransferTiming:
     exposed_s: float = 0.0
 
 
+def estimate_exposed_s(result: object) -> float:
+    """Transfer time the request saw after prefill ended, from the receiver's own clock.
+
+    Layer l of L finishes computing at ``(l + 1) / L`` of the prefill time, and the first layer
+    lands one wire delay after it finished. So prefill ended about
+    ``prefill_compute_s x (L - 1) / L`` after the first layer landed, and what lands after that
+    is exposed. Clock-free (no comparison with the sender's clock); it slightly underestimates by
+    the wire delay of the first layer. The sender measures the same quantity exactly
+    (``PrefillResponse.stats.exposed_ms``).
+    """
+    num_layers = max(1, result.num_layers)  # type: ignore[attr-defined]
+    hidden_s = result.prefill_compute_s * (num_layers - 1) / num_layers  # type: ignore[attr-defined]
+    return max(0.0, result.transfer_s - hidden_s)  # type: ignore[attr-defined]
+
+
+class ControlPlane(Protocol):
+    """What the agent tells the coordinator. Calls are best effort and off the token path."""
+
+    async def report(self, token: FencingToken, state: TicketState, timing: TransferTiming | None) -> None: ...
+
+    async def renew(self, token: FencingToken, lease_s: float) -> None: ...
+
+    async def release(self, token: FencingToken) -> None: ...
+
+
 class ControlPlane(Protocol):
     """What the agent tells the coordinator. Calls are best effort and off the token path."""
 
@@ -380,12 +405,10 @@ class WorkerAgent:
                 num_computed_tokens=len(prompt_token_ids),
                 output_token_ids=[result.first_token_id],
             )
-            # Exposed time is measured by the prefill side (from its compute end to the
-            # receiver's acknowledgement); this side reports what it saw land.
             timing = TransferTiming(
                 num_bytes=result.num_bytes, num_layers=result.num_layers,
                 num_blocks=result.num_blocks, prefill_compute_s=result.prefill_compute_s,
-                transfer_s=result.transfer_s,
+                transfer_s=result.transfer_s, exposed_s=estimate_exposed_s(result),
             )
             self._control(token, self.control.report(token, TicketState.DONE, timing))
         ticket.sequence = sequence

@@ -84,7 +84,7 @@ class PoolClient:
 
     async def deregister(self, worker_id: str) -> None:
         try:
-            await self._stub.Deregister(pool_pb2.DeregisterRequest(worker_id=worker_id),
-                                        timeout=self._timeout_s)
+            await self._stub.Deregister(pool_pb2.DeregisterRequest(
+                worker_id=worker_id, join_token=self._join_token), timeout=self._timeout_s)
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None

@@ -86,10 +86,12 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, should_drain: _Optional[bool] = ..., was_readopted: _Optional[bool] = ..., should_send_full_prefix_report: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "join_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    join_token: str
+    def __init__(self, worker_id: _Optional[str] = ..., join_token: _Optional[str] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ()
