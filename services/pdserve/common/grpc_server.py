@@ -258,6 +258,8 @@ class GrpcServer:
         self._grace_period_s = grace_period_s
         self._drain_delay_s = drain_delay_s
         self._tls = tls
+        self.tls_credentials: Any = None
+        """The reloading TLS credentials once started with TLS (``num_reloads`` for tests)."""
         self._server = grpc.aio.server(
             interceptors=[*interceptors, ErrorMappingInterceptor()],
             options=server_options(max_message_bytes),
@@ -279,14 +281,20 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         drain_delay_s: float = 0.0,
     ) -> GrpcServer:
-        """A server per ``settings``: bind address, grace period, TLS, message size, and the
-        tracing interceptor when tracing is on (then ``interceptors``)."""
+        """A server per ``settings``: bind address, grace period, TLS, message size, the
+        tracing interceptor when tracing is on, then authentication and authorization
+        (``pdserve.common.auth``) when keys or mutual TLS are configured, then
+        ``interceptors``."""
+        from pdserve.common.auth import auth_interceptor
+
+        auth = auth_interceptor(settings)
         return cls(
             host=settings.grpc_host,
             port=settings.grpc_port,
             grace_period_s=settings.grace_period_s,
             drain_delay_s=drain_delay_s,
-            interceptors=[*server_interceptors(settings, tracer_provider), *interceptors],
+            interceptors=[*server_interceptors(settings, tracer_provider),
+                          *([auth] if auth is not None else []), *interceptors],
             tls=settings.tls,
             max_message_bytes=settings.grpc_max_message_bytes,
         )
@@ -331,6 +339,15 @@ class GrpcServer:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
+    def _reloading_credentials(self) -> grpc.ServerCredentials:
+        """TLS that follows renewed certificate files without a restart (new handshakes get
+        the new pair; ``pdserve.common.certs.ReloadingServerCredentials``)."""
+        from pdserve.common.certs import ReloadingServerCredentials
+
+        assert self._tls is not None
+        self.tls_credentials = ReloadingServerCredentials(self._tls)
+        return self.tls_credentials.credentials()
+
     @property
     def port(self) -> int:
         """The bound port (known after ``start``)."""
@@ -358,7 +375,7 @@ class GrpcServer:
         address = _format_address(self._host, self._requested_port)
         try:
             if self._tls is not None:
-                port = self._server.add_secure_port(address, server_credentials(self._tls))
+                port = self._server.add_secure_port(address, self._reloading_credentials())
             else:
                 port = self._server.add_insecure_port(address)
         except RuntimeError as exc:

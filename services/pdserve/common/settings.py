@@ -616,6 +616,21 @@ class CommonSettings:
     tls_ca_path: Path | None = setting(
         None, help="PEM CA bundle: verifies peers; on a server it requires client certs (mTLS)."
     )
+    api_keys_path: Path | None = setting(
+        None,
+        help="File of '<key> <tenant>' lines: client API keys (gRPC and HTTP), reloaded on "
+        "change. Unset: the client API is open.",
+    )
+    admin_keys_path: Path | None = setting(
+        None,
+        help="File of '<key> <operator>' lines: keys of the operator API (drain, target "
+        "sizes, autoscaler controls), reloaded on change. Unset: the operator API is open.",
+    )
+    kv_tls: bool = setting(
+        False,
+        help="Run the tcp KV data path over mutual TLS with this process's TLS files "
+        "(default: clear, for a trusted fabric).",
+    )
 
     def check(self) -> None:
         """Cross-field checks; raises ``ConfigError``."""
@@ -623,6 +638,12 @@ class CommonSettings:
             raise ConfigError(
                 "PDSERVE_TLS_CERT_PATH and PDSERVE_TLS_KEY_PATH: expected both set or both empty",
                 field="tls_cert_path",
+            )
+        if self.kv_tls and (self.tls_cert_path is None or self.tls_ca_path is None):
+            raise ConfigError(
+                "PDSERVE_KV_TLS: expected PDSERVE_TLS_CERT_PATH, PDSERVE_TLS_KEY_PATH and "
+                "PDSERVE_TLS_CA_PATH to be set (the KV path is mutual TLS)",
+                field="kv_tls",
             )
         if self.grpc_port != 0 and self.metrics_port == self.grpc_port:
             raise ConfigError(

@@ -69,9 +69,11 @@ class RouterApp:
         await self.follower.start()
         self._outcome_task = asyncio.create_task(self.outcomes.run(self._stop))
         if self.settings.http_port >= 0:
+            from pdserve.common.auth import load_key_file
             from pdserve.router.http_api import create_app, start_http_server
 
-            app = create_app(self.router, self.tokenizer)
+            app = create_app(self.router, self.tokenizer,
+                             api_keys=load_key_file(self.settings.api_keys_path))
             self._http_runner, self.http_port = await start_http_server(
                 app, self.settings.http_host, self.settings.http_port)
 

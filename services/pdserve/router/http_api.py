@@ -731,7 +731,9 @@ class _OpenAiHandlers:
         self._backend = backend
         self._tokenizer = tokenizer
         self._chat_template = chat_template
-        self._api_keys = dict(api_keys) if api_keys is not None else None
+        # Kept as given, not copied: a live mapping (``pdserve.common.auth.KeyFile``) follows
+        # edits to its file without a restart.
+        self._api_keys = api_keys
         self._max_body_bytes = max_body_bytes
         self._clock = clock
 

@@ -9,6 +9,7 @@ import grpc
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import router_pb2
 from pdserve.api.v1 import router_pb2_grpc
+from pdserve.common.auth import current_tenant
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.router.types import FinishReason, GenerationBackend, GenerationRequest, PrefillMode
@@ -56,7 +57,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         )
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.GenerateResponse]:
-        generation = self._request(request, tenant="")
+        generation = self._request(request, tenant=current_tenant())
         request_id = generation.request_id
         async for chunk in self._backend.generate(generation):
             message = router_pb2.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids)
