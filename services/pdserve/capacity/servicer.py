@@ -18,8 +18,9 @@ from pdserve.capacity.eplb import (
     gpu_balancedness,
     plan_expert_placement,
 )
+from pdserve.capacity.experts import ExpertPlacementService
 from pdserve.capacity.kv_budget import CapacityConfig, capacity_report
-from pdserve.common.errors import InvalidArgumentError
+from pdserve.common.errors import InvalidArgumentError, UnavailableError
 
 SERVICE_NAME = "pdserve.api.v1.CapacityGovernorService"
 
@@ -31,6 +32,9 @@ _POLICY = {
 
 
 class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer):
+    experts: ExpertPlacementService | None = None
+    """The expert-placement loop (``pdserve.capacity.experts``), set by the app."""
+
     async def GetCapacity(self, request: governor_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetCapacityResponse:
         if not request.model:
             raise InvalidArgumentError("model: required", field="model")
@@ -68,3 +72,8 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             slot_to_expert=placement.slot_to_expert.reshape(-1).tolist(),
             balancedness=gpu_balancedness(placement, loads).tolist(),
         ))
+
+    async def GetExpertPlacement(self, request: governor_pb2.GetExpertPlacementRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetExpertPlacementResponse:
+        if self.experts is None:
+            raise UnavailableError("expert placement is not running in this governor")
+        return await self.experts.get_expert_placement(request)

@@ -48,6 +48,10 @@ class WorkerSettings(CommonSettings):
     kv_scale: float = setting(1.0 / 64, parser=float_range(1e-6, 1.0), help="Sim KV bytes per block relative to the real model's.")
     max_num_blocks: int = setting(8192, parser=int_range(0, 10_000_000), help="Cap on sim KV blocks (0 = none).")
     num_kv_layers: int = setting(0, parser=int_range(0, 1000), help="KV layers the sim engine moves (0 = the model's).")
+    num_moe_layers: int = setting(0, parser=int_range(0, 1000), help="MoE layers whose expert routing the sim engine simulates (0 = the model's).")
+    expert_skew: float = setting(0.9, parser=float_range(0.0, 10.0), help="Sim engine: Zipf exponent of expert popularity (0 = uniform routing).")
+    expert_seed: int = setting(0, parser=int_range(0, 2**31 - 1), help="Sim engine: seed of the expert-popularity profile and routing draws.")
+    expert_report_interval_s: float = setting(10.0, parser=DURATION_S, help="MoE engines: how often heartbeats carry per-expert token counts.")
     transport: str = setting("tcp", help="KV transport: tcp, nixl or inproc.")
     kv_host: str = setting("127.0.0.1", help="Interface the KV data path listens on.")
     kv_port: int = setting(0, parser=PORT, help="KV data path port; 0 = any.")
@@ -105,3 +109,15 @@ class GovernorSettings(CommonSettings):
     """The capacity governor."""
 
     service_name: str = setting("governor", help="Service name in logs, traces and metrics.")
+    # Expert placement (EPLB) of MoE pools: pdserve.capacity.experts.
+    expert_half_life_s: float = setting(300.0, parser=float_range(0.001, 1e9), help="Half-life of the decayed per-expert load estimate, seconds.")
+    expert_replan_period_s: float = setting(600.0, parser=float_range(0.001, 1e9), help="Re-plan expert placement at least this often, seconds.")
+    expert_min_balancedness: float = setting(0.85, parser=float_range(0.0, 1.0), help="Re-plan early when the placement's mean GPU balancedness (mean/max load) falls under this.")
+    expert_min_replan_interval_s: float = setting(60.0, parser=DURATION_S, help="Least time between two re-plans triggered by imbalance, seconds.")
+    expert_min_tokens_per_layer: float = setting(10_000.0, parser=float_range(0.0, 1e15), help="Decayed tokens per MoE layer needed before planning.")
+    expert_balance_tolerance: float = setting(0.01, parser=float_range(0.0, 0.99), help="Migration-aware re-plans stop within this balancedness of a plan from scratch.")
+    expert_slots_per_gpu: int = setting(0, parser=int_range(0, 4096), help="Expert slots per GPU per layer; 0 = fewest that hold every expert, plus one if none is left redundant.")
+    expert_gpus_per_node: int = setting(8, parser=int_range(1, 1024), help="GPUs per node of an expert-parallel instance.")
+    expert_num_groups: int = setting(1, parser=int_range(1, 4096), help="Expert groups kept on one node in prefill pools (DeepSeek-V3: 8); 1 = global placement.")
+    expert_tick_s: float = setting(1.0, parser=float_range(0.01, 3600.0), help="Period of the expert-placement loop (drain reports, decide, roll out), seconds.")
+    expert_rollout_timeout_s: float = setting(5.0, parser=float_range(0.01, 3600.0), help="Deadline of one worker's ApplyExpertPlacement call, seconds.")

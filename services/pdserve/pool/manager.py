@@ -23,6 +23,7 @@ from pdserve.common.errors import (
 )
 from pdserve.pool.lifecycle import is_legal
 from pdserve.pool.provisioner import Provisioner, WorkerLaunch
+from pdserve.state.expert_loads import ExpertLoadReport, ExpertLoadStore, expert_load_store_for
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
 from pdserve.state.types import (
@@ -78,6 +79,9 @@ class Heartbeat:
     is_full_prefix_report: bool = False
     join_token: str = ""
     registration: Registration | None = None
+    expert_token_counts: tuple[int, ...] = ()
+    """MoE workers: tokens per (layer, expert) since the last report, flattened."""
+    num_moe_layers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +106,13 @@ class PoolManager:
         clock: Clock,
         provisioner: Provisioner | None = None,
         lifecycle_sink: LifecycleSink | None = None,
+        expert_loads: ExpertLoadStore | None = None,
     ) -> None:
+        """``expert_loads`` is where MoE workers' per-expert token counts go for the governor's
+        placement loop; by default the store beside ``backend`` (which the governor reads)."""
         self.policy = policy
         self._backend = backend
+        self._expert_loads = expert_loads or expert_load_store_for(backend)
         self._prefix_index = prefix_index
         self._clock = clock
         self._provisioner = provisioner
@@ -158,6 +166,11 @@ class PoolManager:
         return record
 
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatDirectives:
+        expert_report = None
+        if beat.expert_token_counts or beat.num_moe_layers:
+            # Validated before anything changes: a malformed report refuses the whole heartbeat.
+            expert_report = ExpertLoadReport(beat.worker_id, beat.num_moe_layers,
+                                             beat.expert_token_counts)
         record = await self._backend.workers.get(beat.worker_id)
         was_readopted = False
         if record is None or record.state is WorkerState.FAILED:
@@ -195,6 +208,8 @@ class PoolManager:
                 record.deployment, beat.worker_id, beat.added_prefix_hashes,
                 beat.removed_prefix_hashes, beat.is_full_prefix_report,
             )
+        if expert_report is not None:
+            await self._expert_loads.append(record.deployment, self.policy.role, expert_report)
         await self._publish_upsert(record)
         if state is WorkerState.DRAINED:
             await self._retire(record)

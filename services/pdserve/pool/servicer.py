@@ -121,6 +121,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             is_full_prefix_report=request.is_full_prefix_report,
             join_token=request.join_token,
             registration=registration,
+            expert_token_counts=tuple(request.expert_token_counts),
+            num_moe_layers=request.num_moe_layers,
         ))
         return pool_pb2.HeartbeatResponse(
             should_drain=directives.should_drain,

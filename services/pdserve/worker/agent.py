@@ -23,8 +23,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+import numpy as np
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -93,6 +94,52 @@ class ControlPlane(Protocol):
     async def renew(self, token: FencingToken, lease_s: float) -> None: ...
 
     async def release(self, token: FencingToken) -> None: ...
+
+
+@runtime_checkable
+class ExpertParallelEngine(Protocol):
+    """An engine that spreads MoE experts over its GPUs (expert parallelism): it counts the
+    tokens routed to each expert and runs the expert placement the governor rolls out."""
+
+    num_moe_layers: int
+    num_experts: int
+    num_expert_gpus: int
+
+    def install_expert_placement(self, slot_to_expert: np.ndarray) -> None:
+        """Use ``[num_moe_layers, num_slots]`` from the next forward pass on."""
+        ...
+
+    def take_expert_token_counts(self) -> np.ndarray:
+        """``[num_moe_layers, num_experts]`` tokens routed since the previous call."""
+        ...
+
+
+def _checked_slot_map(engine: ExpertParallelEngine, num_layers: int, num_slots: int,
+                      slot_to_expert: list[int]) -> np.ndarray:
+    """The slot map as ``int64[num_layers, num_slots]``, or ``InvalidArgumentError``."""
+    if num_layers != engine.num_moe_layers:
+        raise InvalidArgumentError(
+            f"num_layers: the engine has {engine.num_moe_layers} MoE layers, got {num_layers}",
+            field="num_layers")
+    if num_slots < engine.num_experts or num_slots % engine.num_expert_gpus:
+        raise InvalidArgumentError(
+            f"num_slots: must be >= num_experts ({engine.num_experts}) and a multiple of the "
+            f"instance's {engine.num_expert_gpus} GPUs, got {num_slots}", field="num_slots")
+    slot_map = np.asarray(slot_to_expert, dtype=np.int64)
+    if slot_map.size != num_layers * num_slots:
+        raise InvalidArgumentError("slot_to_expert: length must be num_layers x num_slots",
+                                   field="slot_to_expert")
+    slot_map = slot_map.reshape(num_layers, num_slots)
+    if slot_map.min() < 0 or slot_map.max() >= engine.num_experts:
+        raise InvalidArgumentError(
+            f"slot_to_expert: expert ids must be in [0, {engine.num_experts})",
+            field="slot_to_expert")
+    for layer, row in enumerate(slot_map):
+        if np.unique(row).size != engine.num_experts:
+            raise InvalidArgumentError(
+                f"slot_to_expert: layer {layer} leaves an expert without a slot",
+                field="slot_to_expert")
+    return slot_map
 
 
 class NullControlPlane:
@@ -249,10 +296,19 @@ class WorkerAgent:
 
     def apply_expert_placement(self, version: int, num_layers: int, num_slots: int,
                                slot_to_expert: list[int]) -> int:
-        """Install a placement (the sim engine has no weights to move: it counts the slots whose
-        expert changed, which is what a real engine would load)."""
+        """Install placement ``version`` (a flattened ``[num_layers, num_slots]`` slot map) and
+        return the slots whose expert changed, i.e. the expert weights a real engine loads.
+
+        A version at or below the one in force is acknowledged without change (roll-outs are
+        retried). An expert-parallel engine validates the map against its MoE shape
+        (``InvalidArgumentError`` naming the constraint) and swaps it in between two forward
+        passes; requests keep running on the old map until then.
+        """
         if version <= self.expert_placement_version:
             return 0
+        moe = self._moe_engine()
+        if moe is not None:
+            moe.install_expert_placement(_checked_slot_map(moe, num_layers, num_slots, slot_to_expert))
         if len(self._slot_to_expert) == len(slot_to_expert):
             moved = sum(1 for a, b in zip(self._slot_to_expert, slot_to_expert, strict=True) if a != b)
         else:
@@ -260,6 +316,23 @@ class WorkerAgent:
         self._slot_to_expert = list(slot_to_expert)
         self.expert_placement_version = version
         return moved
+
+    def take_expert_token_counts(self) -> tuple[int, list[int]]:
+        """``(num_moe_layers, flattened [layers, experts] token counts)`` routed since the previous
+        call, for the heartbeat; ``(0, [])`` for a dense engine or when nothing was routed."""
+        moe = self._moe_engine()
+        if moe is None:
+            return 0, []
+        counts = moe.take_expert_token_counts()
+        if not counts.any():
+            return 0, []
+        return moe.num_moe_layers, counts.reshape(-1).tolist()
+
+    def _moe_engine(self) -> ExpertParallelEngine | None:
+        engine = self.engine
+        if isinstance(engine, ExpertParallelEngine) and engine.num_moe_layers > 0:
+            return engine
+        return None
 
     def _control(self, token: FencingToken, call: Awaitable[None]) -> None:
         """Run control-plane calls of one ticket in order (DONE before release), off the token

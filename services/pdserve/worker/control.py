@@ -68,11 +68,13 @@ class PoolClient:
 
     async def heartbeat(self, info: pb.WorkerInfo, state: WorkerState, load: WorkerLoad,
                         held_blocks: dict[str, int], added: list[int], removed: list[int],
-                        is_full: bool) -> pool_pb2.HeartbeatResponse:
+                        is_full: bool, expert_token_counts: list[int] | None = None,
+                        num_moe_layers: int = 0) -> pool_pb2.HeartbeatResponse:
         request = pool_pb2.HeartbeatRequest(
             worker_id=info.worker_id, state=worker_state_to_pb(state), load=load_to_pb(load),
             added_prefix_hashes=added, removed_prefix_hashes=removed,
             is_full_prefix_report=is_full, join_token=self._join_token, worker=info,
+            expert_token_counts=expert_token_counts or [], num_moe_layers=num_moe_layers,
         )
         for key, num_blocks in held_blocks.items():
             token = FencingToken.parse(key)

@@ -34,7 +34,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
             model=settings.model, gpu=settings.gpu, tp_size=settings.tp_size,
             block_size_tokens=settings.block_size_tokens, max_num_blocks=settings.max_num_blocks,
             kv_scale=settings.kv_scale, speedup=settings.speedup,
-            num_kv_layers=settings.num_kv_layers,
+            num_kv_layers=settings.num_kv_layers, num_moe_layers=settings.num_moe_layers,
+            expert_skew=settings.expert_skew, expert_seed=settings.expert_seed,
         ))
     if settings.engine == "tiny":
         from pdserve.worker.engines.tiny import TinyConfig, TinyEngine
@@ -65,6 +66,7 @@ class WorkerProcess:
         self.address = ""
         self.heartbeat_interval_s = 1.0
         self._needs_full_prefix_report = True
+        self._next_expert_report_s = 0.0
 
     def describe(self) -> pb.WorkerInfo:
         layout = self.engine.layout
@@ -109,8 +111,16 @@ class WorkerProcess:
         else:
             added, removed = self.agent.take_prefix_delta()
         held = self.agent.held_blocks() if self.settings.role is WorkerRole.DECODE else {}
+        num_moe_layers, expert_counts = 0, []
+        now_s = asyncio.get_running_loop().time()
+        if now_s >= self._next_expert_report_s:
+            # Counts since the previous report; a report lost with a failed heartbeat only makes
+            # the governor's estimate a little older.
+            num_moe_layers, expert_counts = self.agent.take_expert_token_counts()
+            self._next_expert_report_s = now_s + self.settings.expert_report_interval_s
         response = await self.pool.heartbeat(self.describe(), self.agent.state, self.agent.load(),
-                                             held, added, removed, is_full)
+                                             held, added, removed, is_full,
+                                             expert_counts, num_moe_layers)
         self._needs_full_prefix_report = response.should_send_full_prefix_report
         if response.should_drain:
             self.agent.begin_drain("pool manager asked")
