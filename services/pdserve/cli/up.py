@@ -12,7 +12,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from pdserve.common.service_settings import DEFAULT_GPU, DEFAULT_MODEL
+from pdserve.common.service_settings import DEFAULT_GPU, DEFAULT_MODEL, TENANT_FLOATS, TENANT_INTS
 from pdserve.common.settings import (
     DATABASE_URL,
     DURATION_S,
@@ -48,6 +48,17 @@ class UpSettings(CommonSettings):
     join_token: str = setting("", help="Worker join token; empty = a fresh random one.", is_secret=True)
     max_num_blocks: int = setting(8192, parser=int_range(16, 10_000_000), help="KV blocks per sim worker (cap).")
     local_prefill_threshold_tokens: int = setting(64, parser=int_range(0, 10_000_000), help="Uncached prompt tokens at or below which decode prefills itself.")
+    # Router SLOs, admission and load shedding (see RouterSettings).
+    slo_ttft_ms: float = setting(2000.0, parser=float_range(0.001, 1e9), help="TTFT SLO (goodput and shedding), ms.")
+    slo_tpot_ms: float = setting(100.0, parser=float_range(0.001, 1e9), help="TPOT SLO for goodput, ms.")
+    max_in_flight: int = setting(4096, parser=int_range(1, 1_000_000), help="Requests the router admits at once.")
+    is_shedding_enabled: bool = setting(True, help="Shed requests predicted to miss the TTFT SLO, and tenants over their share of a saturated queue.")
+    shed_ttft_fraction: float = setting(0.8, parser=float_range(0.01, 100.0), help="Shed when the predicted TTFT exceeds this fraction of slo_ttft_ms.")
+    fair_share_onset: float = setting(0.5, parser=float_range(0.01, 1.0), help="Queue saturation beyond which tenants over their share are shed.")
+    max_pending_requests: int = setting(1024, parser=int_range(1, 1_000_000), help="Router queue bound: admitted requests whose prefill has not finished.")
+    tenant_share: float = setting(0.5, parser=float_range(0.001, 1.0), help="Default in-flight cap of a tenant, fraction of max_in_flight.")
+    tenant_max_in_flight: tuple[tuple[str, int], ...] = setting((), parser=TENANT_INTS, help="Per-tenant in-flight caps, tenant=N pairs.")
+    tenant_weights: tuple[tuple[str, float], ...] = setting((), parser=TENANT_FLOATS, help="Fair-share weights, tenant=W pairs.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +121,11 @@ async def _up(settings: UpSettings) -> int:
         coordinator_address="127.0.0.1:1", transport=settings.transport,
         local_prefill_threshold_tokens=settings.local_prefill_threshold_tokens,
         otel_endpoint=settings.otel_endpoint, otel_sampling_ratio=settings.otel_sampling_ratio,
+        slo_ttft_ms=settings.slo_ttft_ms, slo_tpot_ms=settings.slo_tpot_ms,
+        max_in_flight=settings.max_in_flight, is_shedding_enabled=settings.is_shedding_enabled,
+        shed_ttft_fraction=settings.shed_ttft_fraction, fair_share_onset=settings.fair_share_onset,
+        max_pending_requests=settings.max_pending_requests, tenant_share=settings.tenant_share,
+        tenant_max_in_flight=settings.tenant_max_in_flight, tenant_weights=settings.tenant_weights,
     )
     router = RouterApp(router_settings, stores.backend, stores.prefix_index,
                        LocalTicketClient(coordinator.coordinator),

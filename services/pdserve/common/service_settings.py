@@ -14,6 +14,7 @@ from pdserve.common.settings import (
     PORT,
     PORT_OR_OFF,
     CommonSettings,
+    Parser,
     float_range,
     int_range,
     setting,
@@ -84,6 +85,29 @@ class CoordinatorSettings(CommonSettings):
     reap_interval_s: float = setting(0.5, parser=DURATION_S, help="How often lapsed leases are reaped.")
 
 
+def _tenant_values(parse_value: type[int | float]) -> Parser[tuple[tuple[str, float], ...]]:
+    """``tenant=value,tenant=value``; an empty tenant name (``=4``) is the default tenant."""
+
+    def parse(raw: str) -> tuple[tuple[str, float], ...]:
+        pairs = []
+        for part in raw.split(","):
+            if not part.strip():
+                continue
+            tenant, sep, value = part.partition("=")
+            number = parse_value(value.strip())
+            if not sep or not number > 0:
+                raise ValueError(raw)
+            pairs.append((tenant.strip(), number))
+        return tuple(pairs)
+
+    kind = "integers" if parse_value is int else "numbers"
+    return Parser(f"comma-separated tenant=value pairs (positive {kind})", parse)
+
+
+TENANT_INTS = _tenant_values(int)
+TENANT_FLOATS = _tenant_values(float)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouterSettings(CommonSettings):
     """A router replica."""
@@ -102,6 +126,15 @@ class RouterSettings(CommonSettings):
     slo_ttft_ms: float = setting(2000.0, parser=float_range(0.001, 1e9), help="TTFT SLO for goodput, ms.")
     slo_tpot_ms: float = setting(100.0, parser=float_range(0.001, 1e9), help="TPOT SLO for goodput, ms.")
     outcome_window_s: float = setting(10.0, parser=DURATION_S, help="Window of the durable request-outcome aggregates.")
+    # Admission and load shedding: pdserve.router.admission.
+    is_shedding_enabled: bool = setting(True, help="Shed requests whose predicted TTFT misses the SLO, and tenants over their share of a saturated queue.")
+    shed_ttft_fraction: float = setting(0.8, parser=float_range(0.01, 100.0), help="Shed when the predicted TTFT exceeds this fraction of slo_ttft_ms.")
+    fair_share_onset: float = setting(0.5, parser=float_range(0.01, 1.0), help="Queue saturation (fraction of the TTFT budget or of max_pending_requests) beyond which tenants over their share are shed.")
+    max_pending_requests: int = setting(1024, parser=int_range(1, 1_000_000), help="Router queue bound: admitted requests whose prefill has not finished.")
+    tenant_share: float = setting(0.5, parser=float_range(0.001, 1.0), help="Default in-flight cap of a tenant, as a fraction of max_in_flight.")
+    tenant_max_in_flight: tuple[tuple[str, int], ...] = setting((), parser=TENANT_INTS, help="Per-tenant in-flight caps, tenant=N pairs (=N for the default tenant).")
+    tenant_weights: tuple[tuple[str, float], ...] = setting((), parser=TENANT_FLOATS, help="Fair-share weights, tenant=W pairs; others weigh 1.")
+    max_retry_after_s: float = setting(10.0, parser=DURATION_S, help="Longest retry hint given to a shed request.")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,6 +11,7 @@ from pdserve.api.v1 import router_pb2_grpc
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.service_settings import RouterSettings
 from pdserve.common.tokenizer import ByteTokenizer, Tokenizer
+from pdserve.router.admission import AdmissionConfig
 from pdserve.router.clients import TicketClient, WorkerClients
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.outcomes import OutcomeAggregator, WindowWriter
@@ -37,7 +38,19 @@ def router_config(settings: RouterSettings) -> RouterConfig:
         max_attempts=settings.max_attempts, max_in_flight=settings.max_in_flight,
         max_tokens_limit=settings.max_tokens_limit, lease_s=settings.lease_s,
         transport=settings.transport, slo_ttft_ms=settings.slo_ttft_ms,
-        slo_tpot_ms=settings.slo_tpot_ms,
+        slo_tpot_ms=settings.slo_tpot_ms, admission=admission_config(settings),
+    )
+
+
+def admission_config(settings: RouterSettings) -> AdmissionConfig:
+    return AdmissionConfig(
+        slo_ttft_s=settings.slo_ttft_ms / 1000, ttft_budget_fraction=settings.shed_ttft_fraction,
+        fair_share_onset=settings.fair_share_onset,
+        is_shedding_enabled=settings.is_shedding_enabled, max_in_flight=settings.max_in_flight,
+        max_pending=settings.max_pending_requests, tenant_share=settings.tenant_share,
+        tenant_max_in_flight=settings.tenant_max_in_flight,
+        tenant_weights=settings.tenant_weights,
+        max_retry_after_s=settings.max_retry_after_s,
     )
 
 

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +31,12 @@ from pdserve.common.errors import (
     UnavailableError,
 )
 from pdserve.common.tokenizer import prefix_block_hashes
+from pdserve.router.admission import (
+    AdmissionConfig,
+    AdmissionPolicy,
+    AdmissionRequest,
+    snapshot_of,
+)
 from pdserve.router.clients import TicketClient, WorkerClients, iterate_stream
 from pdserve.router.policy import (
     DecodeCandidate,
@@ -70,6 +76,13 @@ class RouterConfig:
     transport: str = "tcp"
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
+    admission: AdmissionConfig | None = None
+    """Admission and load shedding (``router.admission``); None = defaults with this config's
+    ``max_in_flight`` and ``slo_ttft_ms``."""
+
+    def admission_config(self) -> AdmissionConfig:
+        return self.admission or AdmissionConfig(slo_ttft_s=self.slo_ttft_ms / 1000,
+                                                 max_in_flight=self.max_in_flight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +125,11 @@ class Router:
         workers: WorkerClients,
         prefix_index: PrefixIndex | None = None,
         outcome_sink: OutcomeSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.admission = AdmissionPolicy(config.admission_config())
+        self._clock = clock
         self._view = view
         self._tickets = tickets
         self._workers = workers
@@ -152,8 +168,6 @@ class Router:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._validate(request)
-        if len(self._in_flight) >= self.config.max_in_flight:
-            raise CapacityError("router is at its in-flight limit", retry_after_s=0.5)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._in_flight:
             raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight",
@@ -192,6 +206,7 @@ class Router:
             outcome_error = "CANCELLED"
             raise
         finally:
+            self.admission.finish(request_id)
             self._in_flight.pop(request_id, None)
             self._cancelled.discard(request_id)
             self._record(request, request_id, started, first_token_at, num_output, attempts,
@@ -242,6 +257,8 @@ class Router:
                     raise last_error from None
                 raise
             is_local = decision.is_local_prefill
+            if attempt == 1:
+                self._admit(request, request_id, decision)
             try:
                 async for chunk, exposed_s in self._attempt(request, request_id, decision):
                     yield chunk, (attempt, is_local, exposed_s)
@@ -253,6 +270,23 @@ class Router:
                 excluded.update(retry.worker_ids)
         assert last_error is not None
         raise last_error
+
+    def _admit(self, request: GenerationRequest, request_id: str, decision: RouteDecision) -> None:
+        """Admission before any ticket or prefill work: raises ``CapacityError`` to shed."""
+        worker_id = decision.prefill_worker_id or decision.decode_worker_id
+        worker = self._view.get(request.model, worker_id)
+        if worker is None:
+            return  # it left the pool: the attempt fails over and retries
+        num_tokens = len(request.prompt_token_ids) - decision.num_cached_prefix_tokens
+        verdict = self.admission.admit(
+            AdmissionRequest(request_id, request.tenant, num_tokens),
+            snapshot_of(worker, num_tokens), self._clock())
+        if not verdict.is_admitted:
+            raise CapacityError(verdict.message, retry_after_s=verdict.retry_after_s)
+
+    def _prefill_done(self, request_id: str, task: asyncio.Task[object] | None = None) -> None:
+        is_ok = task is None or (not task.cancelled() and task.exception() is None)
+        self.admission.prefill_done(request_id, self._clock(), is_ok=is_ok)
 
     async def _decide(self, request: GenerationRequest, excluded: frozenset[str]) -> RouteDecision:
         decoders = self._view.ready(request.model, WorkerRole.DECODE)
@@ -278,7 +312,9 @@ class Router:
             ) for w in decoders],
             [PrefillCandidate(
                 worker_id=w.worker_id,
-                num_queued_prefill_tokens=w.record.load.num_queued_prefill_tokens,
+                # Reported queue plus this router's dispatches since (reports are ~1 s stale).
+                num_queued_prefill_tokens=self.admission.estimated_queued_tokens(
+                    snapshot_of(w, len(request.prompt_token_ids)), self._clock()),
                 num_cached_prefix_tokens=overlap.get(w.worker_id, 0) * block_size,
             ) for w in prefillers],
             self.config.routing,
@@ -324,9 +360,15 @@ class Router:
                         config.lease_s, config.transport, config.rpc_timeout_s)
                 except PdserveError as exc:
                     raise _Retry(exc, (decode.worker_id,)) from None
+                self.admission.dispatched(request_id, snapshot_of(prefill, len(prompt)),
+                                          self._clock())
                 prefill_task = asyncio.create_task(self._workers.prefill(
                     prefill.record.address, token, prompt, destination, config.lease_s,
                     request_id, config.request_timeout_s))
+                prefill_task.add_done_callback(lambda task: self._prefill_done(request_id, task))
+            else:
+                self.admission.dispatched(request_id, snapshot_of(decode, len(prompt)),
+                                          self._clock())
             decode_call = self._workers.decode(decode.record.address, decode_request,
                                                config.request_timeout_s)
             stream = iterate_stream(decode_call)
@@ -344,6 +386,8 @@ class Router:
                     return
                 if message.HasField("stats"):
                     exposed_s = message.stats.exposed_ms / 1000
+                if first and prefill_task is None:
+                    self._prefill_done(request_id)  # local prefill: its first token is out
                 first = False
                 finish = _FINISH.get(message.finish_reason)
                 is_finished = finish is not None
@@ -361,6 +405,7 @@ class Router:
                 # best-effort DONE report and turn a finished ticket into ABORTED.
                 raise
             # Failure or cancellation: free everything the ticket holds, on both sides.
+            self.admission.prefill_done(request_id, self._clock(), is_ok=False)
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
             if decode_call is not None:
