@@ -27,6 +27,7 @@ from pdserve.capacity.experts import (
     LoadEstimate,
     ReplanInputs,
     ReplanReason,
+    WorkerInstance,
     decay_factor,
     default_slots_per_gpu,
     fold_reports,
@@ -87,10 +88,10 @@ class FakeWorkers:
             self.slot_maps[address] = list(request.slot_to_expert)
         return request.version
 
-    async def version_in_force(self, address: str) -> int:
+    async def status(self, address: str) -> WorkerInstance:
         if address in self.failing:
             raise UnavailableError(f"{address} unreachable")
-        return self.versions.get(address, 0)
+        return WorkerInstance(2, "mixtral-8x7b", self.versions.get(address, 0))
 
     async def retain(self, addresses: object) -> None:
         return None
@@ -348,6 +349,18 @@ async def test_rollout_retries_failed_workers_and_reaches_late_and_restarted_one
     await h.governor.tick()
     status = await h.status()
     assert status.num_workers == 2 and status.is_rolled_out
+
+
+async def test_workers_without_a_stored_description_are_asked_for_their_shape() -> None:
+    """A store that keeps no description: the shape (2 GPUs of Mixtral) comes from GetStatus."""
+    h = Harness(None)
+    await add_workers(h.backend, 2, spec=b"")
+    await h.report(profile_counts(1))
+    await h.governor.tick()
+    status = await h.status()
+    assert status.is_rolled_out and status.current is not None
+    topology = status.current.placement.topology
+    assert (topology.num_gpus, topology.num_slots) == (2, 10)
 
 
 async def test_settings_that_break_a_constraint_are_reported_not_rolled_out() -> None:

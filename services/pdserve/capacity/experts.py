@@ -343,6 +343,20 @@ class PlacementRepository(Protocol):
 # -- worker calls -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerInstance:
+    """What a worker says about itself: the GPUs its experts spread over, its model, and the
+    placement version in force."""
+
+    num_gpus: int
+    model: str
+    version: int
+
+
+def instance_from_info(info: pb.WorkerInfo, version: int = 0) -> WorkerInstance:
+    return WorkerInstance(max(1, info.num_gpus or info.tp_size or 1), info.model, version)
+
+
 class WorkerPlacementClient(Protocol):
     """The calls the loop makes to workers; errors are ``PdserveError``s."""
 
@@ -350,7 +364,7 @@ class WorkerPlacementClient(Protocol):
         """The version the worker acknowledges as in force."""
         ...
 
-    async def version_in_force(self, address: str) -> int: ...
+    async def status(self, address: str) -> WorkerInstance: ...
 
     async def retain(self, addresses: Iterable[str]) -> None:
         """Forget connections to every other address."""
@@ -387,13 +401,13 @@ class GrpcWorkerPlacementClient:
             raise error_from_rpc_error(exc) from None
         return int(response.version)
 
-    async def version_in_force(self, address: str) -> int:
+    async def status(self, address: str) -> WorkerInstance:
         try:
             response = await self._stub(address).GetStatus(worker_pb2.GetStatusRequest(),
                                                            timeout=self._timeout_s)
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
-        return int(response.expert_placement_version)
+        return instance_from_info(response.worker, int(response.expert_placement_version))
 
     async def retain(self, addresses: Iterable[str]) -> None:
         keep = set(addresses)
@@ -447,16 +461,22 @@ class _Pool:
     restart) has to acknowledge again."""
     errors: dict[str, str] = field(default_factory=dict)
     num_workers: int = 0
+    shape: tuple[int, str] | None = None
+    """(GPUs, model) of the instances placed for."""
     last_error: str = ""
     request: worker_pb2.ApplyExpertPlacementRequest | None = None
 
 
-def _instance(record: WorkerRecord) -> tuple[int, str]:
-    """(GPUs, model) of a worker from its registration."""
+def _instance_from_spec(record: WorkerRecord) -> tuple[int, str] | None:
+    """(GPUs, model) from the worker's registration, if the store kept it."""
+    if not record.spec:
+        return None
     info = pb.WorkerInfo()
-    if record.spec:
-        info.ParseFromString(record.spec)
-    return max(1, info.num_gpus or info.tp_size or 1), info.model
+    info.ParseFromString(record.spec)
+    if not info.model:
+        return None
+    instance = instance_from_info(info)
+    return instance.num_gpus, instance.model
 
 
 def _expert_bytes(model_name: str) -> int:
@@ -481,6 +501,9 @@ class ExpertPlacementGovernor:
         self._clock = clock
         self._repository = repository
         self._pools: dict[tuple[str, WorkerRole], _Pool] = {}
+        self._instances: dict[tuple[str, float], tuple[int, str]] = {}
+        """(worker id, registration time) -> (GPUs, model), asked of workers whose record
+        carries no description."""
         self._lock = asyncio.Lock()
         """One pass at a time."""
         self._open_lock = asyncio.Lock()
@@ -538,7 +561,8 @@ class ExpertPlacementGovernor:
                            deployment, role, num_ignored)
         records = [r for r in await self._workers.list(deployment, role)
                    if r.state in _SERVING_STATES]
-        targets = self._same_instances(pool, records)
+        instances = await self._describe(records)
+        targets = self._same_instances(pool, records, instances)
         pool.num_workers = len(targets)
         live = {r.worker_id for r in targets}
         pool.acks = {w: ack for w, ack in pool.acks.items() if w in live}
@@ -549,20 +573,47 @@ class ExpertPlacementGovernor:
             await self._roll_out(pool, targets)
         return {r.address for r in targets}
 
-    def _same_instances(self, pool: _Pool, records: list[WorkerRecord]) -> list[WorkerRecord]:
+    async def _describe(self, records: list[WorkerRecord]) -> dict[str, tuple[int, str]]:
+        """(GPUs, model) per worker id: from the record, else from the worker itself (once per
+        registration). Workers that cannot be asked now are left out of this pass."""
+        shapes: dict[str, tuple[int, str]] = {}
+        unknown = []
+        for record in records:
+            shape = _instance_from_spec(record) or self._instances.get(
+                (record.worker_id, record.registered_s))
+            if shape is not None:
+                shapes[record.worker_id] = shape
+            else:
+                unknown.append(record)
+        answers = await asyncio.gather(*(self._client.status(r.address) for r in unknown),
+                                       return_exceptions=True)
+        live = {(r.worker_id, r.registered_s) for r in records}
+        self._instances = {k: v for k, v in self._instances.items() if k in live}
+        for record, answer in zip(unknown, answers, strict=True):
+            if isinstance(answer, WorkerInstance):
+                shape = (answer.num_gpus, answer.model)
+                self._instances[(record.worker_id, record.registered_s)] = shape
+                shapes[record.worker_id] = shape
+        return shapes
+
+    def _same_instances(self, pool: _Pool, records: list[WorkerRecord],
+                        shapes: dict[str, tuple[int, str]]) -> list[WorkerRecord]:
         """The workers of the most common instance shape (GPUs, model); a placement fits one."""
-        if not records:
+        known = [r for r in records if r.worker_id in shapes]
+        if not known:
             return []
-        shapes = collections.Counter(_instance(r) for r in records)
-        shape, _ = shapes.most_common(1)[0]
-        if len(shapes) > 1:
+        counts = collections.Counter(shapes[r.worker_id] for r in known)
+        shape, _ = counts.most_common(1)[0]
+        if len(counts) > 1:
             logger.warning("%s/%s: workers of %d instance shapes; placing for %s GPUs of %s",
-                           pool.deployment, pool.role, len(shapes), shape[0], shape[1])
-        return [r for r in records if _instance(r) == shape]
+                           pool.deployment, pool.role, len(counts), shape[0], shape[1])
+        pool.shape = shape
+        return [r for r in known if shapes[r.worker_id] == shape]
 
     async def _maybe_replan(self, pool: _Pool, targets: list[WorkerRecord], now_s: float) -> None:
         assert pool.estimate is not None
-        num_gpus, model_name = _instance(targets[0])
+        assert pool.shape is not None
+        num_gpus, model_name = pool.shape
         estimate = pool.estimate.at(now_s, self.policy.half_life_s)
         loads = estimate.token_loads
         try:
@@ -639,11 +690,11 @@ class ExpertPlacementGovernor:
                                              placement_key(pool.deployment, pool.role))
             if latest is not None:
                 highest = max(highest, int(latest.version))
-        versions = await asyncio.gather(
-            *(self._client.version_in_force(r.address) for r in targets), return_exceptions=True)
-        for value in versions:
-            if isinstance(value, int):
-                highest = max(highest, value)
+        answers = await asyncio.gather(*(self._client.status(r.address) for r in targets),
+                                       return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, WorkerInstance):
+                highest = max(highest, answer.version)
         return highest + 1
 
     async def _roll_out(self, pool: _Pool, targets: list[WorkerRecord]) -> None:
