@@ -29,6 +29,7 @@ from pdserve.capacity.experts import (
 )
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.service_settings import PoolSettings, RouterSettings, WorkerSettings
+from pdserve.common.settings import CommonSettings
 from pdserve.db import Repository, make_engine, normalize_url, upgrade
 from pdserve.kv_transfer.app import CoordinatorApp
 from pdserve.kv_transfer.coordinator import CoordinatorPolicy
@@ -89,7 +90,7 @@ class Stack:
         self.server = GrpcServer()
         prefix_index = MemoryPrefixIndex()
         self.coordinator = CoordinatorApp(self.backend, time.time, CoordinatorPolicy(),
-                                          MemoryRendezvous(), PoolSettings(role=WorkerRole.DECODE))
+                                          MemoryRendezvous(), CommonSettings())
         self.pool = PoolApp(PoolSettings(role=WorkerRole.DECODE, join_token=JOIN_TOKEN,
                                          heartbeat_interval_s=0.1, heartbeat_timeout_s=30.0),
                             self.backend, prefix_index, time.time)
