@@ -383,3 +383,44 @@ def test_settings_check_kv_tls_needs_tls_files() -> None:
         CommonSettings(kv_tls=True).check()
     CommonSettings(kv_tls=True, tls_cert_path=Path("c"), tls_key_path=Path("k"),
                    tls_ca_path=Path("ca")).check()
+
+
+# ------------------------------------------------------------------------ join tokens
+
+
+async def test_pool_join_tokens_rotate_without_a_restart(tmp_path: Path) -> None:
+    import time
+
+    from pdserve.common.service_settings import PoolSettings
+    from pdserve.pool.app import PoolApp
+    from pdserve.pool.manager import Registration
+    from pdserve.state.factory import open_backend
+    from pdserve.state.prefix_index import MemoryPrefixIndex
+    from pdserve.state.types import WorkerRole
+
+    path = tmp_path / "join_tokens"
+    _write(path, "token-one\n")
+    settings = PoolSettings(role=WorkerRole.PREFILL, join_token_path=path)
+    settings.check()
+    backend = open_backend("memory://", time.time)
+    app = PoolApp(settings, backend, MemoryPrefixIndex(), time.time)
+    assert app.manager.join_token_source is not None  # the file, not policy.join_token
+    clock = Clock()
+    app.manager.join_token_source = TokenFile(path, clock=clock).tokens  # a clock we move
+    registration = Registration(worker_id="", deployment="m", address="127.0.0.1:1")
+    try:
+        assert (await app.manager.register(registration, "token-one")).worker_id
+        for wrong in ("token-two", "", "token-on"):
+            with pytest.raises(UnauthenticatedError):
+                await app.manager.register(registration, wrong)
+        _write(path, "token-two\n")  # rotate: the old token is revoked, the new one works
+        clock.now_s = 1.0
+        assert (await app.manager.register(registration, "token-two")).worker_id
+        with pytest.raises(UnauthenticatedError):
+            await app.manager.register(registration, "token-one")
+        workers = await backend.workers.list("m", WorkerRole.PREFILL)
+        assert len(workers) == 2
+    finally:
+        await backend.close()
+    with pytest.raises(ConfigError):
+        PoolSettings(role=WorkerRole.PREFILL).check()  # neither a token nor a token file

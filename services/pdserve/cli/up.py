@@ -11,6 +11,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.common.service_settings import DEFAULT_GPU, DEFAULT_MODEL, TENANT_FLOATS, TENANT_INTS
 from pdserve.common.settings import (
@@ -46,6 +47,8 @@ class UpSettings(CommonSettings):
     cold_start_s: float = setting(0.0, parser=DURATION_S, help="Simulated cold start of each worker.")
     transport: str = setting("tcp", help="KV transport between workers.")
     join_token: str = setting("", help="Worker join token; empty = a fresh random one.", is_secret=True)
+    worker_tls_cert_path: Path | None = setting(None, help="With TLS: the workers' certificate (default worker.pem beside tls_cert_path, as pdserve certs writes it).")
+    worker_tls_key_path: Path | None = setting(None, help="With TLS: the key of worker_tls_cert_path (default worker.key beside tls_cert_path).")
     max_num_blocks: int = setting(8192, parser=int_range(16, 10_000_000), help="KV blocks per sim worker (cap).")
     local_prefill_threshold_tokens: int = setting(64, parser=int_range(0, 10_000_000), help="Uncached prompt tokens at or below which decode prefills itself.")
     # Router SLOs, admission and load shedding (see RouterSettings).
@@ -72,6 +75,33 @@ def run(args: argparse.Namespace) -> int:
 
 def _announce(line: str) -> None:
     print(line, flush=True)
+
+
+def worker_tls_args(settings: UpSettings) -> list[str]:
+    """Flags that give provisioned workers their own (worker) certificate, the CA, and KV TLS.
+
+    Workers must not reuse this process's certificate: it names a service, and the
+    authorization table lets only worker identities register (``pdserve.common.auth``).
+    """
+    if settings.tls is None:
+        return []
+    from pdserve.common.errors import ConfigError
+
+    cert_path, key_path = settings.worker_tls_cert_path, settings.worker_tls_key_path
+    if settings.tls_cert_path is not None:
+        directory = settings.tls_cert_path.parent
+        cert_path = cert_path or directory / "worker.pem"
+        key_path = key_path or directory / "worker.key"
+    if cert_path is None or key_path is None or not cert_path.exists() or not key_path.exists():
+        raise ConfigError("PDSERVE_WORKER_TLS_CERT_PATH: with TLS the workers need their own "
+                          "certificate (pdserve certs DIR makes DIR/worker.pem)",
+                          field="worker_tls_cert_path")
+    args = ["--tls-cert-path", str(cert_path), "--tls-key-path", str(key_path)]
+    if settings.tls_ca_path is not None:
+        args += ["--tls-ca-path", str(settings.tls_ca_path)]
+    if settings.kv_tls:
+        args += ["--kv-tls", "true"]
+    return args
 
 
 async def _up(settings: UpSettings) -> int:
@@ -119,6 +149,8 @@ async def _up(settings: UpSettings) -> int:
     router_settings = RouterSettings(
         http_host=settings.grpc_host, http_port=settings.http_port,
         coordinator_address="127.0.0.1:1", transport=settings.transport,
+        tls_cert_path=settings.tls_cert_path, tls_key_path=settings.tls_key_path,
+        tls_ca_path=settings.tls_ca_path, api_keys_path=settings.api_keys_path,
         local_prefill_threshold_tokens=settings.local_prefill_threshold_tokens,
         otel_endpoint=settings.otel_endpoint, otel_sampling_ratio=settings.otel_sampling_ratio,
         slo_ttft_ms=settings.slo_ttft_ms, slo_tpot_ms=settings.slo_tpot_ms,
@@ -143,7 +175,7 @@ async def _up(settings: UpSettings) -> int:
         "--log-level", "WARNING", "--metrics-port", "-1",
     ]
     for pool in pools.values():
-        pool.manager._provisioner.base_args = list(worker_args)  # type: ignore[union-attr]
+        pool.manager._provisioner.base_args = [*worker_args, *worker_tls_args(settings)]  # type: ignore[union-attr]
     coordinator.start()
     for pool in pools.values():
         await pool.start()

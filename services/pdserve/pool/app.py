@@ -30,6 +30,10 @@ class PoolApp:
             launch_args={d: worker_args for d in settings.deployments},
         )
         self.manager = PoolManager(policy, backend, prefix_index, clock, provisioner, lifecycle_sink)
+        if settings.join_token_path is not None:
+            from pdserve.common.auth import TokenFile
+
+            self.manager.join_token_source = TokenFile(settings.join_token_path).tokens
         self.servicer = PoolServicer({settings.role: self.manager}, backend.workers, backend.events)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -125,8 +125,18 @@ class PoolManager:
         """Raise ``UnauthenticatedError`` unless ``join_token`` admits workers to this pool."""
         self._check_token(join_token)
 
+    join_token_source: Callable[[], Iterable[str]] | None = None
+    """When set (e.g. ``pdserve.common.auth.TokenFile.tokens``, which follows edits to its
+    file), the join tokens valid now, replacing ``policy.join_token``: rotation adds a token,
+    moves the workers over, then removes the old one, with no restart of the pool manager."""
+
     def _check_token(self, join_token: str) -> None:
-        if not hmac.compare_digest(join_token.encode(), self.policy.join_token.encode()):
+        source = self.join_token_source
+        valid = source() if source is not None else (self.policy.join_token,)
+        is_valid = False
+        for token in valid:  # compare with every token: the time does not tell which matched
+            is_valid |= bool(token) and hmac.compare_digest(join_token.encode(), token.encode())
+        if not is_valid:
             raise UnauthenticatedError("join_token: not valid for this pool")
 
     async def register(self, registration: Registration, join_token: str) -> WorkerRecord:

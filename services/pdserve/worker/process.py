@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2_grpc
 from pdserve.common.convert import role_to_pb, worker_state_to_pb
-from pdserve.common.errors import NotFoundError, PdserveError, UnauthenticatedError
+from pdserve.common.errors import ConfigError, NotFoundError, PdserveError, UnauthenticatedError
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.service_settings import WorkerSettings
@@ -21,7 +21,7 @@ from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.control import GrpcControlPlane, PoolClient
 from pdserve.worker.engine import Engine
 from pdserve.worker.servicer import SERVICE_NAME, WorkerAgentServicer
-from pdserve.worker.transports.registry import get_backend
+from pdserve.worker.transports.registry import TransportBackend, get_backend
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,22 @@ def build_engine(settings: WorkerSettings) -> Engine:
     raise PdserveError(f"PDSERVE_ENGINE: expected sim or tiny, got {settings.engine!r}")
 
 
+def kv_backend(settings: WorkerSettings) -> TransportBackend:
+    """The KV transport; ``kv_tls`` runs the tcp data path over this worker's mutual TLS."""
+    backend = get_backend(settings.transport)
+    if not settings.kv_tls:
+        return backend
+    if settings.transport != "tcp":
+        raise ConfigError(f"PDSERVE_KV_TLS: only the tcp transport has TLS, not "
+                          f"{settings.transport!r} (run it in clear on a trusted fabric)",
+                          field="kv_tls")
+    from pdserve.worker.transports.tcp import KvTls, TcpBackend, TcpTransportSettings
+
+    assert settings.tls_cert_path and settings.tls_key_path and settings.tls_ca_path  # check()
+    tls = KvTls(settings.tls_cert_path, settings.tls_key_path, settings.tls_ca_path)
+    return TcpBackend(TcpTransportSettings(tls=tls))
+
+
 class WorkerProcess:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -57,7 +73,7 @@ class WorkerProcess:
                         role=settings.role, transport=settings.transport,
                         max_batch_size=settings.max_batch_size,
                         is_prefix_cache_simulated=settings.engine == "sim"),
-            self.engine, get_backend(settings.transport), self.control,
+            self.engine, kv_backend(settings), self.control,
         )
         self.server = GrpcServer.from_settings(settings)
         self.server.add_servicer(SERVICE_NAME,

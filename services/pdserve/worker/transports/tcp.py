@@ -20,6 +20,17 @@ Senders hold one connection per ticket (HELLO -> LAYER* -> DONE, each HELLO/DONE
 or ERROR). A connection can carry several tickets' frames, so pooling per destination can come
 later without a wire change. ``socket_buffer_nbytes`` = 0 leaves kernel autotuning on (setting
 SO_SNDBUF/SO_RCVBUF turns it off and is capped by net.core.[rw]mem_max).
+
+TLS (``TcpTransportSettings.tls``, off by default: the data path runs in clear inside a trusted
+fabric, as RDMA does). ``ssl.SSLSocket`` has no ``sendmsg``/``recvmsg_into``, so a TLS connection
+drives an ``ssl.SSLObject`` through two memory BIOs over the same non-blocking socket
+(``_TlsSocketIo``): ciphertext is read from the socket into the engine and the plaintext is
+decrypted straight into the destination block views, so the receive side still needs no bounce
+buffer for the payload (decryption is the one copy); the send side encrypts each block view in
+chunks. Both ends present certificates of the cluster CA (mutual TLS), the sender checks the
+receiver's host name, and each side requires the other's SPIFFE identity to be a worker
+(``pdserve.common.certs``). Frames are validated exactly as in clear. ``bench/tls_cost.py``
+measures what TLS costs in bandwidth.
 """
 
 from __future__ import annotations
@@ -27,9 +38,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -71,6 +85,69 @@ _IOV_MAX = 1024
 _SCRATCH_NBYTES = 1 << 20
 
 
+class KvTls:
+    """Mutual TLS of the KV data path: this worker's certificate and key, the cluster CA, and
+    the SPIFFE kinds a peer's certificate must have (workers only, by default).
+
+    The SSL contexts are rebuilt when the files change (checked at most every
+    ``poll_interval_s``, on new connections), so renewed certificates need no restart.
+    """
+
+    def __init__(self, cert_path: Path, key_path: Path, ca_path: Path, *,
+                 peer_kinds: frozenset[str] = frozenset({"worker"}),
+                 poll_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._paths = (cert_path, key_path, ca_path)
+        self.peer_kinds = peer_kinds
+        self._poll_interval_s = poll_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stamps = self._read_stamps()
+        self._server, self._client = self._build()
+        self._next_check_s = clock() + poll_interval_s
+
+    def _read_stamps(self) -> list[tuple[int, int]]:
+        return [(p.stat().st_mtime_ns, p.stat().st_size) for p in self._paths]
+
+    def _build(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        cert_path, key_path, ca_path = self._paths
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the host name by default
+        for context in (server, client):
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.load_cert_chain(cert_path, key_path)
+            context.load_verify_locations(cafile=ca_path)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return server, client
+
+    def contexts(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        """``(server, client)`` contexts, rebuilt first if the files changed."""
+        with self._lock:
+            now = self._clock()
+            if now >= self._next_check_s:
+                self._next_check_s = now + self._poll_interval_s
+                try:
+                    stamps = self._read_stamps()
+                    if stamps != self._stamps:
+                        self._server, self._client = self._build()
+                        self._stamps = stamps
+                        logger.info("KV TLS certificate reloaded from %s", self._paths[0])
+                except (OSError, ssl.SSLError) as exc:
+                    logger.warning("KV TLS files changed but cannot be loaded (keeping the old "
+                                   "ones): %s", exc)
+            return self._server, self._client
+
+    def check_peer(self, tls: ssl.SSLObject) -> None:
+        """Raise ``ssl.SSLError`` unless the peer's certificate names an allowed SPIFFE kind."""
+        from pdserve.common.certs import parse_spiffe_id
+
+        cert = tls.getpeercert() or {}
+        for kind, value in cert.get("subjectAltName", ()):
+            identity = parse_spiffe_id(value) if kind == "URI" else None
+            if identity is not None and identity[0].value in self.peer_kinds:
+                return
+        raise ssl.SSLError(f"KV peer is not one of {sorted(self.peer_kinds)}")
+
+
 @dataclass(frozen=True, slots=True)
 class TcpTransportSettings:
     """Knobs of the ``tcp`` backend. Timeouts are seconds; 0 buffer size = kernel autotuning."""
@@ -81,6 +158,8 @@ class TcpTransportSettings:
     max_frame_nbytes: int = MAX_FRAME_NBYTES
     yield_every_nbytes: int = 64 * 1024 * 1024
     """A receiver reading a long frame yields to the loop after this many bytes (fairness)."""
+    tls: KvTls | None = field(default=None, compare=False)
+    """Mutual TLS on the data path; None = clear (trusted fabric)."""
 
 
 def format_address(host: str, port: int) -> str:
@@ -225,8 +304,142 @@ class _SocketIo:
                 while index < len(views) and len(views[index]) == 0:
                     index += 1
 
+    async def handshake(self, timeout_s: float) -> None:
+        """Nothing to do in clear (``_TlsSocketIo`` runs the TLS handshake here)."""
+
     def close(self) -> None:
         self.sock.close()
+
+
+class _TlsSocketIo(_SocketIo):
+    """``_SocketIo`` over TLS: an ``ssl.SSLObject`` pumped through memory BIOs on the same
+    non-blocking socket. Reads decrypt into the caller's buffers (the destination blocks);
+    writes encrypt in ``_CHUNK_NBYTES`` pieces so buffered ciphertext stays bounded."""
+
+    _RECV_NBYTES = 256 * 1024
+    _CHUNK_NBYTES = 256 * 1024
+
+    def __init__(self, sock: socket.socket, settings: TcpTransportSettings,
+                 context: ssl.SSLContext, checker: KvTls, *, server_side: bool,
+                 server_hostname: str | None = None) -> None:
+        super().__init__(sock, settings)
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
+                                     server_hostname=server_hostname)
+        self._checker = checker
+        self._flush_lock = asyncio.Lock()
+        self._is_eof = False
+
+    async def handshake(self, timeout_s: float) -> None:
+        """TLS handshake and peer check; raises ``ssl.SSLError``/``OSError``/``TimeoutError``."""
+        async def run() -> None:
+            while True:
+                try:
+                    self._tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    await self._flush()
+                    if not await self._fill():
+                        raise ConnectionResetError("peer closed during the TLS handshake")
+            await self._flush()
+            self._checker.check_peer(self._tls)
+
+        await asyncio.wait_for(run(), timeout_s)
+
+    async def _flush(self) -> None:
+        """Send every pending ciphertext byte, in order (one flusher at a time)."""
+        async with self._flush_lock:
+            while self._outgoing.pending:
+                data = memoryview(self._outgoing.read())
+                while data:
+                    try:
+                        n = self.sock.send(data)
+                    except (BlockingIOError, InterruptedError):
+                        await self._wait(is_read=False)
+                        continue
+                    data = data[n:]
+
+    async def _fill(self) -> bool:
+        """Move what the socket has into the TLS engine; False at end of stream."""
+        if self._is_eof:
+            return False
+        while True:
+            try:
+                data = self.sock.recv(self._RECV_NBYTES)
+            except (BlockingIOError, InterruptedError):
+                await self._wait(is_read=True)
+                continue
+            if not data:
+                self._is_eof = True
+                self._incoming.write_eof()
+                return False
+            self._incoming.write(data)
+            return True
+
+    async def _read_into(self, view: memoryview) -> int:
+        """Decrypt up to ``len(view)`` bytes into ``view``; 0 when the peer has closed."""
+        while True:
+            try:
+                return self._tls.read(len(view), view)
+            except ssl.SSLWantReadError:
+                await self._flush()  # e.g. a TLS 1.3 key update wants an answer
+                if not await self._fill():
+                    return 0
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return 0
+
+    async def recv_exact(self, num_bytes: int, *, is_eof_ok: bool = False) -> bytearray | None:
+        buffer = bytearray(num_bytes)
+        view = memoryview(buffer)
+        got = 0
+        while got < num_bytes:
+            n = await self._read_into(view[got:])
+            if n == 0:
+                if got == 0 and is_eof_ok:
+                    return None
+                raise ConnectionResetError(f"peer closed after {got} of {num_bytes} bytes")
+            got += n
+        return buffer
+
+    async def recv_into_views(
+        self, views: Sequence[memoryview], still_writable: Callable[[], bool]
+    ) -> bool:
+        since_yield = 0
+        for index, view in enumerate(views):
+            view = view.cast("B") if view.format != "B" else view
+            offset = 0
+            while offset < len(view):
+                if not still_writable():
+                    remaining = len(view) - offset + sum(len(v) for v in views[index + 1:])
+                    await self.discard(remaining)
+                    return False
+                n = await self._read_into(view[offset:])
+                if n == 0:
+                    raise ConnectionResetError("peer closed in the middle of a layer")
+                offset += n
+                since_yield += n
+                if since_yield >= self._yield_every_nbytes:
+                    since_yield = 0
+                    await asyncio.sleep(0)
+        return True
+
+    async def discard(self, num_bytes: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(min(_SCRATCH_NBYTES, max(num_bytes, 1))))
+        while num_bytes > 0:
+            n = await self._read_into(self._scratch[: min(num_bytes, len(self._scratch))])
+            if n == 0:
+                raise ConnectionResetError("peer closed in the middle of a refused frame")
+            num_bytes -= n
+
+    async def send_views(self, views: Sequence[bytes | memoryview]) -> None:
+        async with self._write_lock:
+            for view in views:
+                data = memoryview(view).cast("B")
+                for start in range(0, len(data), self._CHUNK_NBYTES):
+                    self._tls.write(data[start : start + self._CHUNK_NBYTES])
+                    await self._flush()
 
 
 def _error_frame(token: FencingToken | None, refused: FrameType | int, layer: int,
@@ -312,11 +525,15 @@ class TcpKvReceiver(KvReceiver):
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
+        tls = self._settings.tls
         while True:
             sock, _ = await loop.sock_accept(self._listener)
             _tune(sock, self._settings)
-            connection = _Connection(_SocketIo(sock, self._settings))
-            self._spawn(self._serve(connection))
+            if tls is None:
+                io = _SocketIo(sock, self._settings)
+            else:
+                io = _TlsSocketIo(sock, self._settings, tls.contexts()[0], tls, server_side=True)
+            self._spawn(self._serve(_Connection(io)))
 
     def _spawn(self, coroutine: object) -> None:
         task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
@@ -348,6 +565,11 @@ class TcpKvReceiver(KvReceiver):
     async def _serve(self, connection: _Connection) -> None:
         io = connection.io
         try:
+            try:
+                await io.handshake(self._settings.connect_timeout_s)
+            except (ssl.SSLError, TimeoutError) as exc:
+                logger.warning("KV connection refused: TLS handshake failed: %s", exc)
+                return
             while True:
                 raw = await io.recv_exact(HEADER_NBYTES, is_eof_ok=True)
                 if raw is None:
@@ -466,7 +688,19 @@ class TcpKvSender(KvSender):
         except (OSError, TimeoutError) as exc:
             self._fail(f"cannot connect to {dest.kv_address}: {exc or 'timeout'}")
             self._raise_failed()
-        self._io = _SocketIo(sock, self._settings)
+        tls = self._settings.tls
+        if tls is None:
+            self._io = _SocketIo(sock, self._settings)
+        else:
+            self._io = _TlsSocketIo(sock, self._settings, tls.contexts()[1], tls,
+                                    server_side=False, server_hostname=host)
+            try:
+                await self._io.handshake(self._settings.connect_timeout_s)
+            except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+                self._io.close()
+                self._io = None
+                self._fail(f"TLS handshake with {dest.kv_address} failed: {exc or 'timeout'}")
+                self._raise_failed()
         self._hello_reply = loop.create_future()
         self._done_reply = loop.create_future()
         self._reader = asyncio.create_task(self._read_replies(), name=f"kv-tcp-replies-{token}")
@@ -621,6 +855,7 @@ BACKEND = TcpBackend()
 
 __all__ = [
     "BACKEND",
+    "KvTls",
     "TcpBackend",
     "TcpKvReceiver",
     "TcpKvSender",
