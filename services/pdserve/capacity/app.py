@@ -1,26 +1,93 @@
-"""Wiring of the capacity governor service."""
+"""Wiring of the capacity governor service: the gRPC servicer, the expert-placement loop and
+the autoscaler's live loop (``governor.CapacityGovernor``)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from typing import Any
+
 from pdserve.api.v1 import governor_pb2_grpc
+from pdserve.capacity.autoscaler import (
+    AutoscalerConfig,
+    AutoscalerControls,
+    InstanceProfile,
+    SizingConfig,
+)
 from pdserve.capacity.experts import ExpertPlacementService
+from pdserve.capacity.governor import (
+    CapacityGovernor,
+    DeploymentSpec,
+    GovernorConfig,
+    GrpcTargetSetter,
+    TargetSetter,
+)
 from pdserve.capacity.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.service_settings import GovernorSettings
+from pdserve.db.repository import Repository
 from pdserve.state.interfaces import StateBackend
+from pdserve.state.types import Clock, WorkerRole
+
+logger = logging.getLogger(__name__)
+
+
+def deployment_specs(settings: GovernorSettings,
+                     repository: Repository | None) -> list[DeploymentSpec]:
+    """What the autoscaler sizes: each of ``autoscale_deployments`` with the model, GPU and TP of
+    its durable record, or (without one) the deployment name as the catalog model and the
+    settings' GPU and TP. An unknown model or GPU fails here, naming it."""
+    specs = []
+    for name in settings.autoscale_deployments:
+        record = None
+        if repository is not None:
+            try:
+                record = repository.get_deployment(name)
+            except Exception:  # the settings still describe it
+                logger.warning("could not read deployment %s from the durable store", name,
+                               exc_info=True)
+        model = record.model if record else name
+        gpu = record.gpu if record else settings.autoscale_gpu
+        tp_size = record.tp_size if record else settings.autoscale_tp_size
+        profile = InstanceProfile.from_catalog(
+            model, gpu, prefill_tp_size=tp_size, decode_tp_size=tp_size,
+            max_num_blocks=settings.autoscale_max_num_blocks, speedup=settings.autoscale_speedup)
+        specs.append(DeploymentSpec(name=name, model=model, gpu=gpu, profile=profile,
+                                    cold_start_s=settings.autoscale_cold_start_s,
+                                    tp_size=tp_size))
+    return specs
 
 
 class GovernorApp:
     def __init__(self, settings: GovernorSettings, durable: object = None,
-                 backend: StateBackend | None = None) -> None:
+                 backend: StateBackend | None = None, *,
+                 target_setter: TargetSetter | None = None, clock: Clock = time.time) -> None:
         """``backend``: the hot state shared with the pool managers (``pdserve up``); by
-        default the governor opens its own from ``settings.redis_url``."""
+        default the governor opens its own from ``settings.redis_url``. ``target_setter``:
+        how the autoscaler sets pool targets (the in-process managers of ``pdserve up``); by
+        default the pool managers' gRPC at ``prefill_pool_address``/``decode_pool_address``,
+        and recommend-only when those are not set."""
         self.settings = settings
-        self.servicer = CapacityGovernorServicer()
+        self.servicer = CapacityGovernorServicer(clock=clock)
+        repository: Repository | None = getattr(durable, "repository", None)
         # Expert placement (EPLB): loads from the pools' hot state, versions in the durable store.
-        self.experts = ExpertPlacementService(
-            settings, backend, getattr(durable, "repository", None))
+        self.experts = ExpertPlacementService(settings, backend, repository)
         self.servicer.experts = self.experts
+        # Autoscaler: one policy per deployment, decisions in the durable store.
+        self.governor = CapacityGovernor(
+            deployment_specs(settings, repository),
+            backend if backend is not None else self.experts.backend,
+            clock=clock, target_setter=target_setter, repository=repository,
+            config=GovernorConfig(interval_s=settings.autoscale_interval_s),
+            controls=AutoscalerControls(is_dry_run=settings.is_autoscaler_dry_run,
+                                        max_gpus=settings.autoscale_max_gpus),
+            autoscaler_config=AutoscalerConfig(
+                sizing=SizingConfig(tpot_slo_s=settings.autoscale_slo_tpot_ms / 1000.0)))
+        self.servicer.governor = self.governor
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._channels: list[Any] = []
 
     def register(self, server: GrpcServer) -> None:
         server.add_servicer(SERVICE_NAME,
@@ -29,6 +96,23 @@ class GovernorApp:
 
     def start(self) -> None:
         self.experts.start()
+        if not self.governor.deployments:
+            return
+        settings = self.settings
+        if (self.governor.target_setter is None and settings.prefill_pool_address
+                and settings.decode_pool_address):
+            from pdserve.common.grpc_client import open_channel
+
+            channels = {WorkerRole.PREFILL: open_channel(settings.prefill_pool_address, settings),
+                        WorkerRole.DECODE: open_channel(settings.decode_pool_address, settings)}
+            self._channels = list(channels.values())
+            self.governor.target_setter = GrpcTargetSetter(channels)
+        self._task = asyncio.create_task(self.governor.run(self._stop))
 
     async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        for channel in self._channels:
+            await channel.close()
         await self.experts.close()

@@ -1,16 +1,23 @@
-"""gRPC adapter of the capacity governor. This first version answers capacity questions and
-expert-placement what-ifs; the planner and autoscaler RPCs answer UNIMPLEMENTED until the
-governor's planning loop exists (they are part of the v1 API so clients can be written now)."""
+"""gRPC adapter of the capacity governor: capacity questions, expert-placement what-ifs, and
+the autoscaler (the plan in force, decision history, operator controls). Protos in, core
+calls, protos out; the policy lives in ``autoscaler`` and the loop in ``governor``.
+``WhatIfPlan`` and ``GetExpertPlacement`` answer UNIMPLEMENTED until their cores exist."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
 
 import grpc
 import numpy as np
 
 from pdserve.api.v1 import governor_pb2
 from pdserve.api.v1 import governor_pb2_grpc
+from pdserve.capacity.autoscaler import AutoscalerControls, PoolBounds
 from pdserve.capacity.catalog import get_gpu, get_model
 from pdserve.capacity.eplb import (
     PlacementPolicy,
@@ -19,8 +26,12 @@ from pdserve.capacity.eplb import (
     plan_expert_placement,
 )
 from pdserve.capacity.experts import ExpertPlacementService
+from pdserve.capacity.governor import CapacityGovernor, DeploymentSpec
 from pdserve.capacity.kv_budget import CapacityConfig, capacity_report
+from pdserve.common.convert import role_from_pb, role_to_pb
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
+from pdserve.db.records import ScalingAction, ScalingDecisionRecord
+from pdserve.state.types import Clock, WorkerRole
 
 SERVICE_NAME = "pdserve.api.v1.CapacityGovernorService"
 
@@ -31,7 +42,145 @@ _POLICY = {
 }
 
 
+_ACTION_TO_PB = {
+    ScalingAction.HOLD: governor_pb2.SCALING_ACTION_HOLD,
+    ScalingAction.SCALE_UP: governor_pb2.SCALING_ACTION_SCALE_UP,
+    ScalingAction.SCALE_DOWN: governor_pb2.SCALING_ACTION_SCALE_DOWN,
+}
+
+DEFAULT_LIST_LIMIT = 100
+MAX_LIST_LIMIT = 10_000
+MAX_OVERRIDE_S = 7 * 86_400.0
+"""Longest manual override accepted: an override is a temporary measure."""
+UNBOUNDED_INSTANCES = PoolBounds().max_instances
+"""``PoolBounds.max_instances`` 0 in a request means no maximum (this many)."""
+
+
+def decision_to_pb(record: ScalingDecisionRecord) -> governor_pb2.ScalingDecision:
+    """A stored decision; ``inputs_json`` is its inputs with the forecast under "forecast"."""
+    inputs = {**record.inputs, "forecast": dict(record.forecast)}
+    decided_ms = int(record.at.timestamp() * 1000) if record.at is not None else 0
+    return governor_pb2.ScalingDecision(
+        deployment=record.deployment, role=role_to_pb(record.role),
+        current_instances=record.num_current_instances,
+        target_instances=record.num_target_instances, action=_ACTION_TO_PB[record.action],
+        reason=record.reason, is_dry_run=record.is_dry_run,
+        inputs_json=json.dumps(inputs, sort_keys=True, allow_nan=False),
+        decided_unix_ms=decided_ms,
+    )
+
+
+def plan_to_pb(spec: DeploymentSpec, num_prefill: int, num_decode: int,
+               inputs: Mapping[str, Any], at_s: float) -> governor_pb2.Plan:
+    """The autoscaler's plan: instance counts for the demand it forecast (plus headroom).
+    ``predicted_tpot_ms`` is the performance model's step time at the planned decode batch;
+    the autoscaler does not predict TTFT percentiles (0)."""
+    profile = spec.profile
+    prompt = float(inputs.get("mean_prompt_tokens", 0.0))
+    output = float(inputs.get("mean_output_tokens", 0.0))
+    batch = max(1, math.ceil(float(inputs.get("decode_batch_size", 0.0))))
+    step_s = profile.decode_perf.decode_step_time_s(
+        batch, math.ceil(batch * (prompt + output / 2.0))) / profile.speedup
+    return governor_pb2.Plan(
+        deployment=spec.name, num_prefill_instances=num_prefill,
+        num_decode_instances=num_decode,
+        num_gpus=(num_prefill * profile.num_gpus_per_prefill
+                  + num_decode * profile.num_gpus_per_decode),
+        predicted_tpot_ms=step_s * 1000.0,
+        demand=governor_pb2.Demand(
+            arrival_rate_per_s=float(inputs.get("demand_rate_per_s", 0.0)),
+            prompt=governor_pb2.LengthDistribution(mean_tokens=prompt),
+            output=governor_pb2.LengthDistribution(mean_tokens=output)),
+        created_unix_ms=int(at_s * 1000),
+    )
+
+
+def _bounds_from_pb(request: governor_pb2.SetAutoscalerControlsRequest, name: str) -> PoolBounds:
+    if not request.HasField(name):
+        return PoolBounds()
+    bounds = getattr(request, name)
+    return PoolBounds(bounds.min_instances, bounds.max_instances or UNBOUNDED_INSTANCES)
+
+
+def controls_from_pb(request: governor_pb2.SetAutoscalerControlsRequest,
+                     now_s: float) -> AutoscalerControls:
+    """Controls from a request, every field checked (``InvalidArgumentError`` names it).
+
+    Absent bounds mean the defaults (at least 1, at most ``UNBOUNDED_INSTANCES``); a
+    ``max_instances`` of 0 means no maximum. An override needs ``override_expires_in_s`` in
+    (0, 7 days]; expiry without an override is refused as a likely mistake.
+    """
+    expires_in_s = request.override_expires_in_s
+    has_override = bool(request.override_prefill_instances or request.override_decode_instances)
+    if not math.isfinite(expires_in_s) or expires_in_s < 0 or expires_in_s > MAX_OVERRIDE_S:
+        raise InvalidArgumentError(
+            f"override_expires_in_s: must be in [0, {MAX_OVERRIDE_S:g}] seconds, got "
+            f"{expires_in_s}", field="override_expires_in_s")
+    if has_override and expires_in_s <= 0:
+        raise InvalidArgumentError(
+            "override_expires_in_s: required (> 0) with an override", field="override_expires_in_s")
+    if not has_override and expires_in_s > 0:
+        raise InvalidArgumentError(
+            "override_expires_in_s: set without override_prefill_instances or "
+            "override_decode_instances", field="override_expires_in_s")
+    return AutoscalerControls(
+        is_dry_run=request.is_dry_run, is_frozen=request.is_frozen,
+        prefill_bounds=_bounds_from_pb(request, "prefill_bounds"),
+        decode_bounds=_bounds_from_pb(request, "decode_bounds"),
+        override_prefill_instances=request.override_prefill_instances or None,
+        override_decode_instances=request.override_decode_instances or None,
+        override_until_s=now_s + expires_in_s if has_override else 0.0,
+        max_step_per_minute=request.max_step_per_minute, max_gpus=request.max_gpus,
+    )
+
+
 class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer):
+    """``governor`` None serves the stateless RPCs only (the autoscaler RPCs then answer
+    UNAVAILABLE). ``clock`` (wall seconds) dates override expiries."""
+
+    def __init__(self, governor: CapacityGovernor | None = None, clock: Clock = time.time) -> None:
+        self.governor = governor
+        self._clock = clock
+
+    def _governor(self) -> CapacityGovernor:
+        if self.governor is None:
+            raise UnavailableError("the autoscaler is not running in this governor")
+        return self.governor
+
+    async def GetPlan(self, request: governor_pb2.GetPlanRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetPlanResponse:
+        governor = self._governor()
+        decision, at_s, stored = await governor.latest(request.deployment)
+        spec = governor.spec(request.deployment)
+        if decision is not None:
+            return governor_pb2.GetPlanResponse(plan=plan_to_pb(
+                spec, decision.num_prefill, decision.num_decode, decision.inputs, at_s))
+        by_role = {record.role: record for record in stored}
+        if len(by_role) < 2:
+            return governor_pb2.GetPlanResponse()
+        prefill, decode = by_role[WorkerRole.PREFILL], by_role[WorkerRole.DECODE]
+        at = max(r.at.timestamp() for r in stored if r.at is not None)
+        return governor_pb2.GetPlanResponse(plan=plan_to_pb(
+            spec, prefill.num_target_instances, decode.num_target_instances,
+            {**prefill.inputs, **prefill.forecast}, at))
+
+    async def ListDecisions(self, request: governor_pb2.ListDecisionsRequest, context: grpc.aio.ServicerContext) -> governor_pb2.ListDecisionsResponse:
+        limit = request.limit or DEFAULT_LIST_LIMIT
+        if limit > MAX_LIST_LIMIT:
+            raise InvalidArgumentError(f"limit: at most {MAX_LIST_LIMIT}, got {limit}",
+                                       field="limit")
+        role = role_from_pb(request.role, allow_unspecified=True)
+        records = await self._governor().list_decisions(request.deployment, role=role,
+                                                        limit=limit)
+        return governor_pb2.ListDecisionsResponse(
+            decisions=[decision_to_pb(record) for record in records])
+
+    async def SetAutoscalerControls(self, request: governor_pb2.SetAutoscalerControlsRequest, context: grpc.aio.ServicerContext) -> governor_pb2.SetAutoscalerControlsResponse:
+        governor = self._governor()
+        governor.spec(request.deployment)  # NOT_FOUND / INVALID_ARGUMENT before anything else
+        controls = controls_from_pb(request, self._clock())
+        await governor.set_controls(request.deployment, controls)
+        return governor_pb2.SetAutoscalerControlsResponse()
+
     experts: ExpertPlacementService | None = None
     """The expert-placement loop (``pdserve.capacity.experts``), set by the app."""
 

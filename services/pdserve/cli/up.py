@@ -51,6 +51,7 @@ class UpSettings(CommonSettings):
     worker_tls_key_path: Path | None = setting(None, help="With TLS: the key of worker_tls_cert_path (default worker.key beside tls_cert_path).")
     max_num_blocks: int = setting(8192, parser=int_range(16, 10_000_000), help="KV blocks per sim worker (cap).")
     local_prefill_threshold_tokens: int = setting(64, parser=int_range(0, 10_000_000), help="Uncached prompt tokens at or below which decode prefills itself.")
+    is_autoscaling: bool = setting(False, help="Let the governor's autoscaler set the pool sizes (off: it records recommendations only).")
     # Router SLOs, admission and load shedding (see RouterSettings).
     slo_ttft_ms: float = setting(2000.0, parser=float_range(0.001, 1e9), help="TTFT SLO (goodput and shedding), ms.")
     slo_tpot_ms: float = setting(100.0, parser=float_range(0.001, 1e9), help="TPOT SLO for goodput, ms.")
@@ -163,7 +164,19 @@ async def _up(settings: UpSettings) -> int:
                        LocalTicketClient(coordinator.coordinator),
                        WindowWriterAdapter(durable) if durable else None)
     router.register(server)
-    GovernorApp(settings).register(server)  # type: ignore[arg-type]
+    from pdserve.capacity.governor import ManagerTargetSetter
+    from pdserve.common.service_settings import GovernorSettings
+
+    governor = GovernorApp(
+        GovernorSettings(autoscale_deployments=(settings.model,), autoscale_gpu=settings.gpu,
+                         autoscale_cold_start_s=settings.cold_start_s,
+                         autoscale_speedup=settings.speedup,
+                         autoscale_max_num_blocks=settings.max_num_blocks,
+                         is_autoscaler_dry_run=not settings.is_autoscaling,
+                         redis_url=settings.redis_url, database_url=settings.database_url),
+        durable, stores.backend,
+        target_setter=ManagerTargetSetter({role: pool.manager for role, pool in pools.items()}))
+    governor.register(server)
 
     port = await server.start()
     address = f"{settings.grpc_host}:{port}"
@@ -180,6 +193,7 @@ async def _up(settings: UpSettings) -> int:
     for pool in pools.values():
         await pool.start()
     await router.start()
+    governor.start()
     _announce(f"grpc {address}")
     if router.http_port:
         _announce(f"http http://{settings.grpc_host}:{router.http_port}")
@@ -202,6 +216,7 @@ async def _up(settings: UpSettings) -> int:
     finally:
         await server.stop(2.0)
         await router.close()
+        await governor.close()
         for pool in pools.values():
             await pool.close()
         await coordinator.close()

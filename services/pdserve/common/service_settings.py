@@ -20,6 +20,7 @@ from pdserve.common.settings import (
     Parser,
     float_range,
     int_range,
+    optional,
     setting,
 )
 from pdserve.state.types import WorkerRole
@@ -164,3 +165,16 @@ class GovernorSettings(CommonSettings):
     expert_num_groups: int = setting(1, parser=int_range(1, 4096), help="Expert groups kept on one node in prefill pools (DeepSeek-V3: 8); 1 = global placement.")
     expert_tick_s: float = setting(1.0, parser=float_range(0.01, 3600.0), help="Period of the expert-placement loop (drain reports, decide, roll out), seconds.")
     expert_rollout_timeout_s: float = setting(5.0, parser=float_range(0.01, 3600.0), help="Deadline of one worker's ApplyExpertPlacement call, seconds.")
+    # Autoscaler (pdserve.capacity.governor): deployments sized, the look-ahead, actuation.
+    autoscale_deployments: tuple[str, ...] = setting((), help="Deployments the autoscaler sizes (model, GPU and TP from their durable records, else the settings below); empty = none.")
+    autoscale_gpu: str = setting(DEFAULT_GPU, help="GPU of a deployment without a durable record.")
+    autoscale_tp_size: int = setting(1, parser=int_range(1, 1024), help="Tensor-parallel degree of a deployment without a durable record.")
+    autoscale_interval_s: float = setting(30.0, parser=float_range(0.01, 86400.0), help="Seconds between autoscaling decisions.")
+    autoscale_cold_start_s: float = setting(600.0, parser=DURATION_S, help="Launch-to-serving time of a new instance: how far ahead the autoscaler looks.")
+    autoscale_speedup: float = setting(1.0, parser=float_range(1e-3, 1e12), help="Simulated seconds per wall second of the instances (sim workers); 1 on GPUs.")
+    autoscale_max_num_blocks: int = setting(0, parser=int_range(0, 10_000_000), help="Cap on KV blocks per decode instance, as sim workers apply (0 = none).")
+    autoscale_slo_tpot_ms: float = setting(100.0, parser=float_range(0.001, 1e9), help="TPOT SLO that bounds the decode batch, ms.")
+    autoscale_max_gpus: int = setting(0, parser=int_range(0, 10_000_000), help="GPU budget over both pools of a deployment (0 = none); operators change it with SetAutoscalerControls.")
+    is_autoscaler_dry_run: bool = setting(False, help="Recommend only: record decisions, never set pool targets.")
+    prefill_pool_address: str | None = setting(None, parser=optional(ADDRESS), help="host:port of the prefill pool manager (targets are set there); empty = recommend only.")
+    decode_pool_address: str | None = setting(None, parser=optional(ADDRESS), help="host:port of the decode pool manager; empty = recommend only.")
