@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.durable import DurableWriter
+from pdserve.common.durable import DurableWriter, open_writer
 from pdserve.common.settings import CommonSettings
 from pdserve.kv_transfer.rendezvous import MemoryRendezvous, RedisRendezvous, Rendezvous
 from pdserve.state.factory import open_backend
@@ -82,7 +82,8 @@ def open_durable(settings: CommonSettings, *, migrate: bool) -> DurableWriter | 
         repository = Repository.from_url(settings.database_url)
         if migrate:
             upgrade(repository.engine)
-        return DurableWriter(repository)
+        return open_writer(repository, settings.database_url, settings.durable_spool_dir,
+                           settings.service_name)
     except Exception as exc:  # noqa: BLE001 - serving does not depend on the durable store
         logger.warning("durable store unavailable (%s): decisions and outcomes are not recorded", exc)
         return None

@@ -611,6 +611,12 @@ class CommonSettings:
         parser=DATABASE_URL,
         help="Durable store, a SQLAlchemy URL (control-plane services only).",
     )
+    durable_spool_dir: Path | None = setting(
+        None,
+        help="Folder of the spool of durable records that wait for the database (kept across "
+        "restarts; records of a dead process are adopted by the next one). Empty: a "
+        "pdserve-spool folder in the system's temporary folder.",
+    )
     tls_cert_path: Path | None = setting(None, help="PEM certificate of this process (TLS).")
     tls_key_path: Path | None = setting(None, help="PEM private key of tls_cert_path.")
     tls_ca_path: Path | None = setting(

@@ -183,7 +183,11 @@ class Repository:
 
     # Worker lifecycle ----------------------------------------------------------------------
 
-    def record_worker_event(self, record: WorkerEventRecord) -> WorkerEventRecord:
+    def record_worker_event(self, record: WorkerEventRecord, *,
+                            skip_if_recorded: bool = False) -> WorkerEventRecord:
+        """Store the event. ``skip_if_recorded`` (with ``at`` set) makes the write idempotent:
+        an event of the same worker, state, reason and time already stored is not added again
+        (a durable spool replays records whose first write it could not confirm)."""
         row = WorkerEvent(
             worker_id=record.worker_id,
             deployment=record.deployment,
@@ -194,6 +198,13 @@ class Repository:
             at=_utc(record.at) if record.at else self._now(),
         )
         with self._transaction() as session:
+            if skip_if_recorded and record.at is not None and session.scalar(
+                sa.select(WorkerEvent.id).filter_by(
+                    worker_id=row.worker_id, deployment=row.deployment, role=row.role,
+                    to_state=row.to_state, reason=row.reason, at=row.at,
+                ).limit(1)
+            ) is not None:
+                return _worker_event_record(row)
             session.add(row)
         return _worker_event_record(row)
 
@@ -213,7 +224,10 @@ class Repository:
 
     # Autoscaling and planning --------------------------------------------------------------
 
-    def record_scaling_decision(self, record: ScalingDecisionRecord) -> ScalingDecisionRecord:
+    def record_scaling_decision(self, record: ScalingDecisionRecord, *,
+                                skip_if_recorded: bool = False) -> ScalingDecisionRecord:
+        """Store the decision; ``skip_if_recorded`` (with ``at`` set): not again if a decision
+        of the same pool, action and time is stored (idempotent replays)."""
         row = ScalingDecision(
             deployment=record.deployment,
             role=record.role.value,
@@ -227,6 +241,12 @@ class Repository:
             forecast=dict(record.forecast),
         )
         with self._transaction() as session:
+            if skip_if_recorded and record.at is not None and session.scalar(
+                sa.select(ScalingDecision.id).filter_by(
+                    deployment=row.deployment, role=row.role, action=row.action, at=row.at,
+                ).limit(1)
+            ) is not None:
+                return _scaling_decision_record(row)
             session.add(row)
         return _scaling_decision_record(row)
 
