@@ -18,7 +18,6 @@ import grpc
 import numpy as np
 import pytest
 import sqlalchemy as sa
-
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.capacity.experts import (

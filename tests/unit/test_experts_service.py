@@ -4,13 +4,13 @@ straggler effect (placement quality shows up in decode step time)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc, worker_pb2
 from pdserve.capacity.app import GovernorApp
@@ -191,8 +191,8 @@ POLICY = ExpertPolicy(replan_period_s=600, min_balancedness=0.8, min_replan_inte
 
 
 def inputs(**changes: object) -> ReplanInputs:
-    base = dict(now_s=1000.0, num_tokens_per_layer=500.0, has_placement=True,
-                is_topology_current=True, last_plan_s=900.0, balancedness=0.95)
+    base = {"now_s": 1000.0, "num_tokens_per_layer": 500.0, "has_placement": True,
+                "is_topology_current": True, "last_plan_s": 900.0, "balancedness": 0.95}
     base.update(changes)
     return ReplanInputs(**base)  # type: ignore[arg-type]
 
@@ -442,17 +442,17 @@ async def test_service_answers_placement_and_refuses_bad_input_naming_the_constr
                 assert message in (caught.value.details() or "")
             loads = counts.reshape(-1).astype(float).tolist()
             what_ifs = {
-                "num_slots must be a multiple of num_gpus": dict(num_slots=10, num_gpus=3),
-                "num_gpus must be a multiple of num_nodes": dict(num_slots=12, num_gpus=3,
-                                                                 num_nodes=2),
-                "num_groups divisible by num_nodes": dict(
-                    num_slots=16, num_gpus=4, num_nodes=2, num_groups=3,
-                    policy=governor_pb2.PLACEMENT_POLICY_HIERARCHICAL),
-                "num_slots must be >= num_experts": dict(num_slots=6, num_gpus=2),
-                "expert_loads must be >= 0": dict(num_slots=10, num_gpus=2,
-                                                  expert_loads=[-1.0] + loads[1:]),
-                "expected num_layers x num_experts": dict(num_slots=10, num_gpus=2,
-                                                          expert_loads=loads[:-1]),
+                "num_slots must be a multiple of num_gpus": {"num_slots": 10, "num_gpus": 3},
+                "num_gpus must be a multiple of num_nodes": {"num_slots": 12, "num_gpus": 3,
+                                                             "num_nodes": 2},
+                "num_groups divisible by num_nodes": {
+                    "num_slots": 16, "num_gpus": 4, "num_nodes": 2, "num_groups": 3,
+                    "policy": governor_pb2.PLACEMENT_POLICY_HIERARCHICAL},
+                "num_slots must be >= num_experts": {"num_slots": 6, "num_gpus": 2},
+                "expert_loads must be >= 0": {"num_slots": 10, "num_gpus": 2,
+                                              "expert_loads": [-1.0] + loads[1:]},
+                "expected num_layers x num_experts": {"num_slots": 10, "num_gpus": 2,
+                                                      "expert_loads": loads[:-1]},
             }
             for message, fields in what_ifs.items():
                 request = governor_pb2.WhatIfExpertPlacementRequest(
@@ -540,3 +540,88 @@ def test_dense_sim_engine_has_no_experts() -> None:
     engine.decode_step([Sequence("s", [1, 2, 3], 5)])
     assert engine.num_moe_layers == 0 and engine.take_expert_token_counts().size == 0
     assert engine.last_step_s == engine.perf.decode_step_time_s(1, 3)
+
+
+# -- pdserve experts --------------------------------------------------------------------------
+
+
+def experts_args(*words: str):  # type: ignore[no-untyped-def]
+    import argparse
+
+    from pdserve.cli import experts as experts_cli
+
+    parser = argparse.ArgumentParser()
+    experts_cli.add_arguments(parser)
+    return parser.parse_args(list(words))
+
+
+def write_loads(path: Path, matrices: dict[str, np.ndarray]) -> Path:
+    import gzip
+    import json
+
+    with gzip.open(path, "wt") as handle:
+        json.dump({key: m.tolist() for key, m in matrices.items()}, handle)
+    return path
+
+
+def balancedness_line(output: str, label: str) -> float:
+    line = next(x for x in output.splitlines() if x.strip().startswith(f"{label}:"))
+    return float(line.split("balancedness mean ")[1].split(",")[0])
+
+
+def test_experts_cli_compares_baseline_and_ours_from_a_load_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.cli import experts as experts_cli
+
+    counts = np.random.default_rng(0).multinomial(
+        100_000, expert_popularity(4, 256, 1.0, seed=0))
+    loads = write_loads(tmp_path / "loads.json.gz", {"small": counts})
+    png = tmp_path / "heat.png"
+    assert experts_cli.run(experts_args("--loads", str(loads), "--key", "small", "--config",
+                                        "ep32", "--png", str(png), "--max-rows", "5")) == 0
+    output = capsys.readouterr().out
+    assert "small on ep32 (hierarchical, 288 slots on 32 GPUs, 4 nodes)" in output
+    assert balancedness_line(output, "ours") >= balancedness_line(output, "baseline")
+    table = output.split("baseline_mean")[1].splitlines()[2:7]
+    assert len(table) == 5 and "27 lighter GPUs not shown" in output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(InvalidArgumentError, match="holds small"):
+        experts_cli.run(experts_args("--loads", str(loads), "--key", "other", "--png", "-"))
+    with pytest.raises(InvalidArgumentError, match="no such file"):
+        experts_cli.run(experts_args("--loads", str(tmp_path / "missing.json"), "--png", "-"))
+
+
+async def test_experts_cli_live_shows_the_placement_in_force_and_a_proposal(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.cli import experts as experts_cli
+
+    backend = open_backend(None, ManualClock())
+    app = GovernorApp(GovernorSettings(expert_min_tokens_per_layer=1000), backend=backend)
+    app.experts.governor._client = FakeWorkers()  # type: ignore[assignment]
+    server = GrpcServer()
+    app.register(server)
+    port = await server.start()
+    try:
+        await add_workers(backend, 2)
+        await expert_load_store_for(backend).append("m", DECODE, ExpertLoadReport(
+            "d0", NUM_LAYERS, profile_counts(1).reshape(-1)))
+        await app.experts.governor.tick()
+        loads = write_loads(tmp_path / "now.json.gz", {"now": profile_counts(9)})
+        png = tmp_path / "live.png"
+        address = f"127.0.0.1:{port}"
+        code = await asyncio.to_thread(experts_cli.run, experts_args(
+            "live", "--address", address, "--deployment", "m", "--loads", str(loads), "--key",
+            "now", "--png", str(png)))
+        output = capsys.readouterr().out
+        assert code == 0
+        assert "m: expert placement v1, 4 MoE layers x 10 slots on 2 GPUs" in output
+        # The placement in force was made for other loads; the governor's proposal for these
+        # loads balances them at least as well.
+        assert balancedness_line(output, "proposed") >= balancedness_line(output, "v1")
+        assert png.is_file()
+        code = await asyncio.to_thread(experts_cli.run, experts_args(
+            "live", "--address", address, "--deployment", "m:prefill"))
+        assert code == 0 and "no expert placement yet" in capsys.readouterr().out
+    finally:
+        await server.stop(0)
+        await app.close()
