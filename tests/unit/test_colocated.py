@@ -71,10 +71,11 @@ def test_prefill_load_inflates_tpot_and_ttft() -> None:
     assert heavy.mean_tpot_s > light.mean_tpot_s
     assert heavy.ttft_s > light.ttft_s
     assert heavy.attainment <= light.attainment
-    # With no prefill work at all, steps are pure decode steps.
+    # With (almost) no load, a sequence runs alone: pure decode steps of a batch of one.
     idle = co.predict_colocated(config, _demand(1e-6), SLO)
-    perf = SHAPE.perf()
-    assert idle.mean_tpot_s == pytest.approx(perf.decode_step_time_s(1e-6, 0), rel=1e-3)
+    context = pl.context_per_sequence(pl.Workload.of(_demand(1.0)))
+    assert idle.mean_tpot_s == pytest.approx(SHAPE.perf().decode_step_time_s(1, context),
+                                             rel=1e-3)
     assert not co.predict_colocated(config, _demand(500.0), SLO).is_stable
 
 

@@ -58,7 +58,11 @@ from pdserve.capacity.planner import (
     Slo,
     TtftGroup,
     Workload,
+    averaging_factor,
+    batch_step_moments,
+    batch_variance,
     context_per_sequence,
+    decode_step_grid_s,
     kv_admission,
     max_rate,
     mgc_wait,
@@ -159,6 +163,7 @@ class _InstanceState:
     batch: float
     chunk_tokens: float
     decode_step_s: float
+    decode_step_var_s2: float
     mixed_step_s: float
     busy_fraction: float
     mean_step_s: float
@@ -166,25 +171,32 @@ class _InstanceState:
 
 def _instance_state(config: ColocatedConfig, workload: Workload, rate_per_s: float
                     ) -> _InstanceState | None:
+    """Per-instance steady state. Decode-only steps use the planner's batch law (size-biased,
+    balanced by KV blocks); the mixed step is costed at the mean batch plus the same
+    size-bias shift, so both configurations see identical batch statistics."""
     perf = config.shape.perf()
     rate = rate_per_s / config.num_instances
     mean_uncached = float(workload.uncached.mean())
     mean_steps = float(workload.steps.mean())
     context = context_per_sequence(workload)
     budget = config.token_budget
+    grid = decode_step_grid_s(config.shape, workload)
 
     def state(batch: float) -> _InstanceState | None:
         chunk = budget - batch
         if chunk < 1.0:
             return None
-        decode_s = perf.decode_step_time_s(max(batch, 1e-6), max(batch, 1e-6) * context)
+        variance = batch_variance(workload, batch, config.num_instances,
+                                  config.shape.block_size_tokens)
+        decode_s, decode_var = batch_step_moments(grid, batch, variance)
+        at_mean = perf.decode_step_time_s(max(batch, 1e-6), max(batch, 1e-6) * context)
         mixed_s = mixed_step_time_s(perf, batch, batch * context, chunk,
-                                    chunk_offset_tokens(workload, chunk))
+                                    chunk_offset_tokens(workload, chunk)) + decode_s - at_mean
         busy = rate * mean_uncached * mixed_s / chunk
         if busy >= 1.0:
             return None
         mean_step = 1.0 / (busy / mixed_s + (1.0 - busy) / decode_s)
-        return _InstanceState(batch, chunk, decode_s, mixed_s, busy, mean_step)
+        return _InstanceState(batch, chunk, decode_s, decode_var, mixed_s, busy, mean_step)
 
     def excess(batch: float) -> float:
         current = state(batch)
@@ -245,18 +257,16 @@ def _predict(config: ColocatedConfig, workload: Workload, rate_per_s: float, slo
 
 def _tpot_sd_s(config: ColocatedConfig, workload: Workload, rate_per_s: float,
                current: _InstanceState, service_s: np.ndarray) -> np.ndarray:
-    perf = config.shape.perf()
+    """Per-request TPOT spread: mixed steps in the request's window (compound Poisson: each
+    prompt arriving at the instance brings ``S_j / tau_m`` of them) and the batch fluctuation
+    averaged over the request's steps (as in the planner)."""
     rate = rate_per_s / config.num_instances
     steps = np.maximum(workload.steps, 1.0)
     window = steps * current.mean_step_s
     busy_sd = np.sqrt(rate * window * float((service_s ** 2).mean()))
     mixed_sd = (current.mixed_step_s - current.decode_step_s) / current.mixed_step_s * busy_sd
     mixed_sd = mixed_sd / steps
-    context = context_per_sequence(workload)
-    spread = math.sqrt(current.batch / config.num_instances)
-    bigger = current.batch + spread
-    decode_up = perf.decode_step_time_s(bigger, bigger * context)
-    batch_sd = max(0.0, decode_up - current.decode_step_s)
+    batch_sd = np.sqrt(current.decode_step_var_s2 * averaging_factor(workload))
     return np.sqrt(mixed_sd ** 2 + batch_sd ** 2)
 
 

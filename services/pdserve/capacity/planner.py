@@ -19,29 +19,35 @@ first token comes out of prefill):
   at ``c = 1``, is the Pollaczek-Khinchine mean ``lambda E[S^2] / (2 (1 - rho))``. For the
   percentile the wait is taken as ``0`` with probability ``1 - C`` and exponential with mean
   ``Wq / C`` otherwise (``C`` = Erlang-C probability of waiting), the usual heavy-traffic tail.
-  Accuracy: Allen-Cunneen mean waits are typically within about 10% for ``rho >= 0.5`` and
-  service-time SCV <= 2 (Tijms, *A First Course in Stochastic Models*, 2003, sec. 5.6); the tail
-  is pessimistic for near-deterministic service at ``c = 1`` and light load, where the wait
-  matters little anyway. ``tests/unit/test_planner.py`` checks the formulas by hand and
-  ``bench/goodput.py`` against the discrete-event simulator.
+  Accuracy: Allen-Cunneen mean waits are typically within about 10% of M/G/c for ``rho >= 0.5``
+  and service-time SCV <= 2 (Tijms, *A First Course in Stochastic Models*, 2003, sec. 5.6).
+  Against the simulator (same routing policy, Azure conversation prompts) the mean wait agrees
+  within the noise at ``c = 1``, is 5-20% low at ``c = 2-4`` and 30-40% low at ``c = 8``: the
+  router ranks prefill instances by queued prompt tokens, counting the running prompt in full
+  rather than what is left of it, which balances worse than least remaining work, so M/G/c is
+  a lower bound there. ``bench/goodput.py`` reports the resulting TTFT error.
 - **TTFT** ``= W_prefill + S_i + exposed transfer + W_kv``. KV streams layer by layer while the
   prompt computes, so only ``max(T / L, T - S_i (L - 1) / L)`` of the transfer time ``T`` shows
-  (``L`` layers).
-  ``W_kv`` is the wait for decode KV blocks (below), which the router reserves before prefill.
-- **Decode pool.** Batch per instance from Little's law: ``n = lambda sum(m) / D x TPOT``, with
-  ``TPOT = decode_step_time_s(n, n x ctx) / (1 - stall)``, solved as a fixed point (``ctx`` is
-  the context a running sequence holds on average over its steps; ``stall`` the fraction of time
-  the worker spends prefilling short prompts locally). No fixed point below the batch cap means
-  the pool cannot keep up.
+  (``L`` layers). ``W_kv`` is the wait for decode KV blocks (below), which the router reserves
+  before prefill.
+- **Decode pool.** Batch per instance from Little's law: ``n = lambda E[m] / D x step``, solved
+  as a fixed point because the step a sequence sees depends on ``n``: it is the decode step at
+  the *size-biased* batch (a sequence is more likely to be in a large batch; mean ``n + Var/n``),
+  each sequence holding the context ``ctx`` a running sequence holds on average over its steps,
+  divided by ``1 - stall`` (the fraction of time the worker prefills short prompts locally). The
+  batch varies with variance ``n (scv(blocks) + 1 / D)``: the router balances free KV blocks,
+  not sequence counts, so counts vary with request sizes, plus the pool total's Poisson
+  fluctuation. No fixed point below the batch cap means the pool cannot keep up.
 - **KV blocks.** A request holds ``ceil((l_i + o_i) / block)`` blocks (reservation for the
   prompt plus its output, as a trace replay sets ``max_tokens``) from routing to its last token,
-  i.e. for ``R_i = TTFT_i + m_i x TPOT``. An instance has ``k = num_blocks / (time-weighted mean
-  blocks)`` slots; requests that find no free slot wait: another M/G/c queue with ``c = D x k``
-  servers and service ``R``.
-- **TPOT per request** is normal around the mean with two spreads: the batch size fluctuates
-  (Poisson across the pool, balanced by the router: ``sd = sqrt(n / D)`` per instance), and a
-  request of ``m_i`` steps sees a random number of local-prefill stalls (compound Poisson).
-  Averaging over a request's lifetime would shrink the first spread; ignoring it errs high.
+  i.e. for ``R_i = TTFT_i + m_i x TPOT``. An instance has ``k = (num_blocks - packing loss) /
+  (time-weighted mean blocks)`` slots (packing loss: p99 - mean request blocks); requests that
+  find no free slot wait: another M/G/c queue with ``c = D x k`` servers and service ``R``.
+- **TPOT per request** is normal: mean = the step with stalls, plus half a step (after its first
+  token a sequence joins the batch at the next step boundary) spread over its ``m_i`` steps;
+  spread = the step's variance under the batch law, reduced by averaging over the request's own
+  steps (M/G/infinity autocorrelation ``E[(S - h)+] / E[S]``, see ``averaging_factor``), and a
+  compound-Poisson number of local-prefill stalls in its window.
 - **Attainment** ``= mean_i P(TTFT_i <= slo) x P(TPOT_i <= slo)`` (independent within a request).
 
 **Local-prefill threshold.** A decode worker prefills a short prompt itself as a separate engine
@@ -52,9 +58,9 @@ slo.tpot_s)`` (running sequences are length-biased, so ``E[1/m]`` over them is `
 The request itself saves, in units of the TTFT bound, ``(W_prefill + S(u) + transfer - step/2 -
 Delta(u)) / slo.ttft_s``. The threshold is the largest ``u`` (in blocks of 16 tokens) where the
 saving covers the cost; it grows when the prefill queue is long and shrinks with the decode
-batch. It is kept only if the prediction with it is no worse than without (the stalls must fit
-in the TPOT budget). The router compares it with the prompt's uncached tokens
-(``RoutingConfig.local_prefill_threshold_tokens``).
+batch. It is kept only if the predicted attainment with it stays at the target (or, below the
+target, does not drop): the stalls must fit in the TPOT budget. The router compares it with
+the prompt's uncached tokens (``RoutingConfig.local_prefill_threshold_tokens``).
 
 **Goodput** (DistServe, OSDI'24): the highest arrival rate at which at least the target fraction
 (90%) of requests meet both SLOs, divided by the GPUs; ``max_rate`` finds it by bisection over
@@ -422,6 +428,8 @@ class Workload:
     key: str
     _prefill_s: dict[tuple[str, str, int], np.ndarray] = dataclasses.field(
         default_factory=dict, repr=False)
+    _grids: dict[tuple[object, ...], np.ndarray] = dataclasses.field(
+        default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, demand: Demand) -> Workload:
@@ -521,12 +529,16 @@ class KvAdmission:
 def kv_admission(shape: InstanceShape, workload: Workload, rate_per_s: float,
                  num_instances: int, residence_s: np.ndarray) -> KvAdmission:
     """Requests hold ``ceil((l + o) / block)`` blocks for ``residence_s`` each; slots are the
-    instance's blocks over the residence-weighted mean blocks per request."""
+    instance's blocks, less a packing loss of (p99 - mean) request blocks, over the
+    residence-weighted mean blocks per request."""
     report = shape.capacity()
     blocks = np.ceil((workload.prompt + workload.output) / report.block_size_tokens)
     weights = np.maximum(residence_s, 1e-9)
-    mean_blocks = float(np.average(blocks, weights=weights))
-    num_slots = int(report.num_blocks // max(1.0, mean_blocks))
+    mean_blocks = max(1.0, float(np.average(blocks, weights=weights)))
+    # Packing loss: a large request needs that many blocks free on one instance, so about a
+    # large request's worth of blocks (beyond the mean) is unusable on average.
+    usable = report.num_blocks - max(0.0, float(np.percentile(blocks, 99)) - mean_blocks)
+    num_slots = int(max(0.0, usable) // mean_blocks)
     if num_slots < 1:
         return KvAdmission(0, UNSTABLE)
     mean_residence, scv = moments(residence_s)
@@ -534,29 +546,130 @@ def kv_admission(shape: InstanceShape, workload: Workload, rate_per_s: float,
                                            num_slots * num_instances))
 
 
-def tpot_attainment(mean_tpot_s: float, sd_s: np.ndarray, has_steps: np.ndarray,
+def tpot_attainment(mean_tpot_s: float | np.ndarray, sd_s: np.ndarray, has_steps: np.ndarray,
                     tpot_slo_s: float) -> np.ndarray:
-    """``P(TPOT_i <= slo)`` per request, TPOT_i normal(mean, sd_i); 1 for one-token outputs."""
+    """``P(TPOT_i <= slo)`` per request, TPOT_i normal(mean_i, sd_i); 1 for one-token outputs."""
     sd = np.maximum(sd_s, 1e-12)
     prob = normal_cdf((tpot_slo_s - mean_tpot_s) / sd)
     return np.where(has_steps, prob, 1.0)
 
 
-def tpot_percentile(mean_tpot_s: float, sd_s: np.ndarray, has_steps: np.ndarray,
+def tpot_percentile(mean_tpot_s: float | np.ndarray, sd_s: np.ndarray, has_steps: np.ndarray,
                     percentile: float) -> float:
     """The ``percentile`` of TPOT over requests with at least one decode step."""
+    mean = np.broadcast_to(np.asarray(mean_tpot_s, dtype=float), sd_s.shape)[has_steps]
     sd = np.maximum(sd_s[has_steps], 1e-12)
     if sd.size == 0:
         return 0.0
     target = percentile / 100.0
-    low, high = mean_tpot_s, mean_tpot_s + 10.0 * float(sd.max())
+    low, high = float(mean.min()), float((mean + 10.0 * sd).max())
     for _ in range(60):
         middle = 0.5 * (low + high)
-        if float(normal_cdf((middle - mean_tpot_s) / sd).mean()) >= target:
+        if float(normal_cdf((middle - mean) / sd).mean()) >= target:
             high = middle
         else:
             low = middle
     return high
+
+
+def poisson_pmf(mean: float, num_terms: int) -> np.ndarray:
+    """``P(N = k)`` for ``k < num_terms``, ``N ~ Poisson(mean)``."""
+    k = np.arange(num_terms, dtype=float)
+    if mean <= 0.0:
+        return (k == 0).astype(float)
+    log_pmf = -mean + np.concatenate(([0.0], np.cumsum(math.log(mean) - np.log(k[1:]))))
+    return np.exp(log_pmf)
+
+
+def decode_step_grid_s(shape: InstanceShape, workload: Workload) -> np.ndarray:
+    """Decode step time at batch ``b`` for ``b = 0 .. max_batch_size`` (``[cap + 1]``), each
+    sequence holding the workload's mean context; entry 0 is the step of a near-empty batch.
+    Cached on the workload."""
+    key = ("decode-grid", shape.model, shape.gpu, shape.tp_size, shape.max_batch_size)
+    grid = workload._grids.get(key)
+    if grid is None:
+        perf = shape.perf()
+        context = context_per_sequence(workload)
+        grid = np.array([_decode_step_s(perf, float(b), context)
+                         for b in range(shape.max_batch_size + 1)])
+        workload._grids[key] = grid
+    return grid
+
+
+def batch_step_moments(grid_s: np.ndarray, mean_batch: float,
+                       batch_variance: float | None = None) -> tuple[float, float]:
+    """Mean and variance of the step a running sequence sees, when an instance's number of
+    running sequences has mean ``mean_batch`` and variance ``batch_variance`` (default: Poisson,
+    the M/G/infinity occupancy; otherwise a normal law on the integers), capped at the grid's
+    largest batch. A sequence sees the size-biased batch (it is more likely to be in a large
+    one): mean ``n + variance / n``, i.e. itself plus Poisson(n) others in the Poisson case."""
+    cap = grid_s.size - 1
+    variance = mean_batch if batch_variance is None else batch_variance
+    num_terms = int(mean_batch + 12.0 * math.sqrt(max(variance, 1.0)) + 12.0)
+    k = np.arange(num_terms)
+    if batch_variance is None:
+        pmf = poisson_pmf(mean_batch, num_terms)
+    elif variance <= 1e-12:
+        pmf = np.interp(k, [math.floor(mean_batch), math.floor(mean_batch) + 1],
+                        [1.0 - mean_batch % 1.0, mean_batch % 1.0], left=0.0, right=0.0)
+    else:
+        pmf = np.exp(-0.5 * (k - mean_batch) ** 2 / variance)
+    seen = pmf * k
+    if float(seen.sum()) <= 0.0:  # an empty pool: a sequence would run alone
+        seen = (k == 1).astype(float)
+    steps = grid_s[np.minimum(k, cap)]
+    total = float(seen.sum())
+    mean = float((seen * steps).sum()) / total
+    return mean, max(0.0, float((seen * steps * steps).sum()) / total - mean * mean)
+
+
+def batch_variance(workload: Workload, mean_batch: float, num_instances: int,
+                   block_size_tokens: int) -> float:
+    """Variance of one instance's running-sequence count.
+
+    The router places each request on the decode instance with the most free KV blocks, so
+    blocks in use stay balanced across instances while the *count* of sequences holding them
+    varies with their sizes: ``n x scv(blocks)`` (sizes weighted by time in the batch), plus
+    the pool total's own Poisson fluctuation shared by ``D`` instances, ``n / D``.
+    """
+    blocks = np.ceil((workload.prompt + workload.output) / block_size_tokens)
+    weights = np.maximum(workload.steps, 1e-9)
+    _, scv = moments(blocks, weights)
+    return mean_batch * (scv + 1.0 / num_instances)
+
+
+def averaging_factor(workload: Workload) -> np.ndarray:
+    """Per request, the variance of the batch size averaged over the request's own ``m_i``
+    steps, relative to the variance at one instant (``[num_samples]``, in (0, 1]).
+
+    The occupancy of an M/G/infinity system has autocorrelation ``rho(h) = E[(S - h)+] / E[S]``
+    (``S`` = time in the batch, here in steps); averaging over a window ``L`` leaves
+    ``(2 / L^2) int_0^L (L - h) rho(h) dh`` of the variance. Short outputs see the full
+    variance, outputs much longer than a typical stay see little. Cached on the workload.
+    """
+    key = ("averaging",)
+    cached = workload._grids.get(key)
+    if cached is not None:
+        return cached
+    stays = np.sort(workload.steps[workload.steps > 0])
+    if stays.size == 0:
+        factor = np.ones(workload.size)
+    else:
+        h = np.linspace(0.0, float(stays[-1]), 513)
+        tail_sum = np.concatenate((np.cumsum(stays[::-1])[::-1], [0.0]))
+        above = np.searchsorted(stays, h, side="right")
+        excess = (tail_sum[above] - h * (stays.size - above)) / stays.size
+        rho = excess / float(stays.mean())
+        dh = np.diff(h)
+        first = np.concatenate(([0.0], np.cumsum(0.5 * (rho[1:] + rho[:-1]) * dh)))
+        second = np.concatenate(([0.0], np.cumsum(0.5 * (h[1:] * rho[1:] + h[:-1] * rho[:-1])
+                                                   * dh)))
+        window = np.maximum(workload.steps, 1.0)
+        i1 = np.interp(window, h, first, right=first[-1])
+        i2 = np.interp(window, h, second, right=second[-1])
+        factor = np.clip(2.0 * (window * i1 - i2) / (window * window), 0.0, 1.0)
+    workload._grids[key] = factor
+    return factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -612,45 +725,61 @@ def _decode_step_s(perf: PerfModel, batch: float, context_per_seq: float) -> flo
 @dataclass(frozen=True, slots=True)
 class _DecodeState:
     batch: float
+    """Mean running sequences per instance."""
     step_s: float
+    """Mean decode step a running sequence sees."""
+    step_var_s2: float
     mean_tpot_s: float
-    batch_sd_s: float
+    """Mean time per token including local-prefill stalls."""
+    stall_fraction: float
     stall_rate_per_s: float
     stall_second_moment_s2: float
 
 
 def _decode_state(config: DisaggConfig, workload: Workload, rate_per_s: float,
                   local: np.ndarray, local_prefill_s: np.ndarray) -> _DecodeState | None:
-    perf = config.decode.perf()
     num_decode = config.num_decode
     token_rate = rate_per_s * float(workload.steps.mean()) / num_decode
-    context = context_per_sequence(workload)
+    grid = decode_step_grid_s(config.decode, workload)
     stall_rate = rate_per_s * float(local.mean()) / num_decode
     stall_mean = float(local_prefill_s[local].mean()) if local.any() else 0.0
     stall_fraction = stall_rate * stall_mean
     if stall_fraction >= 1.0:
         return None
 
+    block_size = config.decode.block_size_tokens
+
     def excess(batch: float) -> float:
-        return token_rate * _decode_step_s(perf, batch, context) / (1.0 - stall_fraction) - batch
+        variance = batch_variance(workload, batch, num_decode, block_size)
+        step = batch_step_moments(grid, batch, variance)[0]
+        return token_rate * step / (1.0 - stall_fraction) - batch
 
     batch = smallest_fixed_point(excess, float(config.decode.max_batch_size))
     if batch is None:
         return None
-    step = _decode_step_s(perf, batch, context)
-    spread = math.sqrt(max(batch, 0.0) / num_decode)
-    batch_sd = (_decode_step_s(perf, batch + spread, context) - step) / (1.0 - stall_fraction)
+    variance = batch_variance(workload, batch, num_decode, config.decode.block_size_tokens)
+    step, step_var = batch_step_moments(grid, batch, variance)
     second = float((local_prefill_s[local] ** 2).mean()) if local.any() else 0.0
-    return _DecodeState(batch=batch, step_s=step, mean_tpot_s=step / (1.0 - stall_fraction),
-                        batch_sd_s=batch_sd, stall_rate_per_s=stall_rate,
-                        stall_second_moment_s2=second)
+    return _DecodeState(batch=batch, step_s=step, step_var_s2=step_var,
+                        mean_tpot_s=step / (1.0 - stall_fraction), stall_fraction=stall_fraction,
+                        stall_rate_per_s=stall_rate, stall_second_moment_s2=second)
 
 
-def _stall_sd_s(state: _DecodeState, steps: np.ndarray) -> np.ndarray:
-    """Per-request TPOT spread from a compound-Poisson number of stalls over ``m`` steps."""
-    window = np.maximum(steps, 1.0) * state.mean_tpot_s
-    return np.sqrt(state.stall_rate_per_s * window * state.stall_second_moment_s2) / np.maximum(
-        steps, 1.0)
+def _tpot_moments(state: _DecodeState, workload: Workload) -> tuple[np.ndarray, np.ndarray]:
+    """Per-request TPOT mean and spread (``[num_samples]``, seconds).
+
+    Mean: the mean step with stalls, plus half a step once per request (after its first token
+    a sequence joins the batch at the next step boundary). Spread: the batch fluctuation
+    averaged over the request's steps, and a compound-Poisson number of local-prefill stalls
+    in its window.
+    """
+    steps = np.maximum(workload.steps, 1.0)
+    mean = state.mean_tpot_s * (1.0 + 0.5 / steps)
+    batch_sd = np.sqrt(state.step_var_s2 * averaging_factor(workload)) / (
+        1.0 - state.stall_fraction)
+    window = steps * state.mean_tpot_s
+    stall_sd = np.sqrt(state.stall_rate_per_s * window * state.stall_second_moment_s2) / steps
+    return mean, np.sqrt(batch_sd ** 2 + stall_sd ** 2)
 
 
 def predict(config: DisaggConfig, demand: Demand, slo: Slo) -> Prediction:
@@ -681,13 +810,13 @@ def _predict(config: DisaggConfig, workload: Workload, rate_per_s: float, slo: S
     groups = [TtftGroup(remote, fixed[remote], prefill_wait, kv.wait),
               TtftGroup(local, fixed[local], NO_WAIT, kv.wait)]
     has_steps = workload.steps > 0
-    tpot_sd = np.sqrt(decode.batch_sd_s ** 2 + _stall_sd_s(decode, workload.steps) ** 2)
+    tpot_mean, tpot_sd = _tpot_moments(decode, workload)
     ttft_ok = ttft_cdf(groups, slo.ttft_s, workload.size)
-    tpot_ok = tpot_attainment(decode.mean_tpot_s, tpot_sd, has_steps, slo.tpot_s)
+    tpot_ok = tpot_attainment(tpot_mean, tpot_sd, has_steps, slo.tpot_s)
     attainment = float((ttft_ok * tpot_ok).mean())
     if with_percentiles:
         ttft_p = ttft_percentile(groups, slo.percentile, workload.size)
-        tpot_p = tpot_percentile(decode.mean_tpot_s, tpot_sd, has_steps, slo.percentile)
+        tpot_p = tpot_percentile(tpot_mean, tpot_sd, has_steps, slo.percentile)
     else:
         ttft_p = tpot_p = math.nan
     return Prediction(
@@ -696,7 +825,7 @@ def _predict(config: DisaggConfig, workload: Workload, rate_per_s: float, slo: S
         ttft_s=ttft_p,
         tpot_s=tpot_p,
         mean_ttft_s=float((fixed + queue_mean).mean()) + kv.wait.mean_s,
-        mean_tpot_s=decode.mean_tpot_s,
+        mean_tpot_s=float(tpot_mean[has_steps].mean()) if has_steps.any() else 0.0,
         mean_queue_wait_s=prefill_wait.mean_s,
         mean_kv_wait_s=kv.wait.mean_s,
         prefill_utilization=remote_rate * mean_service / config.num_prefill,
@@ -722,7 +851,8 @@ def _threshold(config: DisaggConfig, workload: Workload, rate_per_s: float, slo:
         return 0
     prefill_perf, decode_perf = config.prefill.perf(), config.decode.perf()
     mean_steps = max(1.0, float(workload.steps.mean()))
-    step_s = _decode_step_s(decode_perf, base.decode_batch_size, context_per_sequence(workload))
+    step_s = batch_step_moments(decode_step_grid_s(config.decode, workload),
+                                base.decode_batch_size)[0]
     best = 0
     for tokens in range(THRESHOLD_STEP_TOKENS, MAX_THRESHOLD_TOKENS + 1, THRESHOLD_STEP_TOKENS):
         stall_s = decode_perf.prefill_time_s([tokens])
@@ -738,7 +868,8 @@ def _threshold(config: DisaggConfig, workload: Workload, rate_per_s: float, slo:
         return 0
     with_threshold = _predict(dataclasses.replace(config, local_prefill_threshold_tokens=best),
                               workload, rate_per_s, slo, with_percentiles=False)
-    return best if with_threshold.attainment >= base.attainment else 0
+    floor = min(base.attainment, slo.attainment_target)
+    return best if with_threshold.attainment >= floor else 0
 
 
 def with_threshold(config: DisaggConfig, workload: Workload, rate_per_s: float,
