@@ -55,6 +55,7 @@ from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.engine import Sequence
 from pdserve.worker.engines.sim import SimConfig, SimEngine, expert_popularity
 from pdserve.worker.transports.registry import get_backend
+from prometheus_client import REGISTRY
 
 DECODE = WorkerRole.DECODE
 NUM_LAYERS, NUM_EXPERTS = 4, 8
@@ -241,6 +242,11 @@ async def test_first_plan_waits_for_enough_tokens_then_reaches_every_worker(tmp_
     assert status.version == 1 and status.current is not None
     assert status.current.reason == ReplanReason.INITIAL
     assert status.is_rolled_out and status.acknowledged == {"d0": 1, "d1": 1, "d2": 1}
+    labels = {"deployment": "m", "role": "decode"}
+    assert REGISTRY.get_sample_value(
+        "pdserve_governor_expert_placement_acknowledged_workers", labels) == 3
+    assert 0.0 < REGISTRY.get_sample_value("pdserve_governor_expert_balancedness_ratio",
+                                           labels) <= 1.0
     assert set(h.workers.versions.values()) == {1}
     slot_map = status.current.placement.slot_to_expert.reshape(-1).tolist()
     assert all(m == slot_map for m in h.workers.slot_maps.values())

@@ -67,11 +67,24 @@ from pdserve.common.errors import (
     UnavailableError,
 )
 from pdserve.common.grpc_client import error_from_rpc_error
+from pdserve.common.metrics import counter, gauge
 from pdserve.state.expert_loads import ExpertLoadReport, ExpertLoadStore, expert_load_store_for
 from pdserve.state.interfaces import StateBackend, WorkerStore
 from pdserve.state.types import Clock, WorkerRecord, WorkerRole, WorkerState
 
 logger = logging.getLogger(__name__)
+
+_BALANCEDNESS = gauge(
+    "governor", "expert_balancedness", "ratio",
+    "Mean over MoE layers of mean/max GPU load of the expert placement in force, under the "
+    "governor's load estimate", ["deployment", "role"])
+_MOVED = counter(
+    "governor", "expert_copies_moved", "experts",
+    "Expert weight copies the issued placements moved (slots whose expert changed)",
+    ["deployment", "role"])
+_ACKNOWLEDGED = gauge(
+    "governor", "expert_placement_acknowledged", "workers",
+    "Workers that acknowledged the expert placement in force", ["deployment", "role"])
 
 _SERVING_STATES = frozenset({WorkerState.REGISTERING, WorkerState.LOADING, WorkerState.READY,
                              WorkerState.DRAINING})
@@ -571,7 +584,18 @@ class ExpertPlacementGovernor:
             await self._maybe_replan(pool, targets, now_s)
         if targets and pool.current is not None:
             await self._roll_out(pool, targets)
+        self._export(pool)
         return {r.address for r in targets}
+
+    def _export(self, pool: _Pool) -> None:
+        labels = {"deployment": pool.deployment, "role": pool.role.value}
+        _ACKNOWLEDGED.labels(**labels).set(sum(
+            1 for _, version in pool.acks.values()
+            if pool.current is not None and version >= pool.current.version))
+        if pool.current is not None and pool.estimate is not None and _is_compatible(
+                pool.current.placement, pool.estimate.shape):
+            balance = gpu_balancedness(pool.current.placement, pool.estimate.token_loads)
+            _BALANCEDNESS.labels(**labels).set(float(balance.mean()))
 
     async def _describe(self, records: list[WorkerRecord]) -> dict[str, tuple[int, str]]:
         """(GPUs, model) per worker id: from the record, else from the worker itself (once per
@@ -677,6 +701,8 @@ class ExpertPlacementGovernor:
                                pool.deployment, pool.role, version, exc)
                 return
         pool.current, pool.version, pool.request, pool.last_error = issued, version, None, ""
+        _MOVED.labels(deployment=pool.deployment, role=pool.role.value).inc(
+            issued.num_experts_moved)
         logger.info("%s/%s: expert placement v%d (%s): %d slots move, balancedness %.4f",
                     pool.deployment, pool.role, version, issued.reason, issued.num_experts_moved,
                     float(issued.balancedness.mean()))
