@@ -455,6 +455,7 @@ async def test_service_answers_placement_and_refuses_bad_input_naming_the_constr
                     "num_slots": 16, "num_gpus": 4, "num_nodes": 2, "num_groups": 3,
                     "policy": governor_pb2.PLACEMENT_POLICY_HIERARCHICAL},
                 "num_slots must be >= num_experts": {"num_slots": 6, "num_gpus": 2},
+                "unknown placement policy 7": {"num_slots": 10, "num_gpus": 2, "policy": 7},
                 "expert_loads must be >= 0": {"num_slots": 10, "num_gpus": 2,
                                               "expert_loads": [-1.0] + loads[1:]},
                 "expected num_layers x num_experts": {"num_slots": 10, "num_gpus": 2,

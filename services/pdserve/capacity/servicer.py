@@ -210,6 +210,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
                 f"expert_loads: expected num_layers x num_experts = {num_layers * num_experts} "
                 f"values, got {len(request.expert_loads)}", field="expert_loads")
         loads = np.asarray(request.expert_loads, dtype=np.float64).reshape(num_layers, num_experts)
+        if request.policy not in _POLICY:
+            raise InvalidArgumentError(f"policy: unknown placement policy {request.policy}",
+                                       field="policy")
         topology = PlacementTopology(
             num_slots=request.num_slots, num_gpus=request.num_gpus, num_nodes=request.num_nodes or 1,
             num_groups=request.num_groups or 1, policy=_POLICY[request.policy],
