@@ -269,3 +269,29 @@ async def test_placements_roll_out_to_every_worker_while_requests_stream(
         await channel.close()
         await client.close()
         repository.close()
+
+
+async def test_redis_expert_load_queue_keeps_the_newest_reports_and_drains_once(
+        redis_url: str) -> None:
+    import redis.asyncio as aioredis
+    from pdserve.state.expert_loads import RedisExpertLoadStore
+
+    prefix = f"pdtest{secrets.token_hex(4)}"
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    store = RedisExpertLoadStore(client, prefix, max_reports=3)
+    try:
+        for index in range(5):
+            await store.append("m", WorkerRole.DECODE, ExpertLoadReport(f"w{index}", 1, [index, 1]))
+        await store.append("m", WorkerRole.PREFILL, ExpertLoadReport("p", 2, [1, 2, 3, 4]))
+        assert await store.pools() == [("m", WorkerRole.DECODE), ("m", WorkerRole.PREFILL)]
+        drained = await store.drain("m", WorkerRole.DECODE)
+        assert [r.worker_id for r in drained] == ["w2", "w3", "w4"]  # the oldest were dropped
+        assert [r.matrix().tolist() for r in drained] == [[[2, 1]], [[3, 1]], [[4, 1]]]
+        assert await store.drain("m", WorkerRole.DECODE) == []
+        [prefill] = await store.drain("m", WorkerRole.PREFILL)
+        assert prefill.matrix().tolist() == [[1, 2], [3, 4]]
+    finally:
+        keys = [key async for key in client.scan_iter(match=f"{prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
