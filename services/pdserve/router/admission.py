@@ -19,9 +19,10 @@ since then (other routers' work; the next report corrects it).
 worker serves its prefill queue first come first served, so a job's service time is its
 completion time minus the later of its dispatch and the previous job's completion (a departure-
 time reconstruction that needs nothing from the worker). The estimate is an exponentially
-weighted ratio estimator -- decayed sums of tokens over decayed sums of seconds, so long prompts
-weigh more than short ones and one odd sample moves it by at most ``ewma_alpha`` -- seeded with a
-prior from the calibrated performance model for the worker's model, GPU and TP degree. The prior
+weighted ratio estimator -- a decayed sum of tokens over a decayed sum of seconds, each new job
+weighing ``ewma_alpha``, so a recent mix of prompt lengths is costed as a mix and per-job fixed
+costs are spread over it -- seeded with a prior from the calibrated performance model for the
+worker's model, GPU and TP degree. Tokens are whole prompts throughout. The prior
 does not know how fast a simulated GPU runs (``speedup``) or how a real engine falls short of its
 roofline; the observations do. (With several router replicas, other routers' jobs interleaved
 with this router's make its samples pessimistic; that errs on the side of shedding.)
@@ -158,7 +159,11 @@ class AdmissionRequest:
     tenant: str
     """"" is the default tenant."""
     num_prefill_tokens: int
-    """Prompt tokens the worker must compute (the prompt less its cached prefix), >= 1."""
+    """The prompt's tokens, >= 1: the unit workers report their queues in. (A prefix-cache
+    hit makes a prefill cheaper; counted in whole prompts, hits show up as a faster learned
+    rate, in proportion to how often they happen. Counting only uncached tokens would charge
+    a mostly cached prompt's fixed costs -- the whole KV still moves -- to a handful of tokens
+    and make the worker look slow.)"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -277,7 +277,7 @@ class Router:
         worker = self._view.get(request.model, worker_id)
         if worker is None:
             return  # it left the pool: the attempt fails over and retries
-        num_tokens = len(request.prompt_token_ids) - decision.num_cached_prefix_tokens
+        num_tokens = len(request.prompt_token_ids)
         verdict = self.admission.admit(
             AdmissionRequest(request_id, request.tenant, num_tokens),
             snapshot_of(worker, num_tokens), self._clock())
