@@ -509,6 +509,7 @@ def worker(
         worker_id=worker_id, deployment=deployment, role=role, state=WorkerState.LOADING,
         address=f"{worker_id}:50051", kv_address=f"{worker_id}:50052",
         load=WorkerLoad(0, 0, 100, 100), last_heartbeat_s=1.5, registered_s=1.25,
+        spec=f"description of {worker_id}".encode() + bytes([0, 255, 10]),  # opaque, not text
     )
 
 

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("pdserve.cli.status", "pools, workers, tickets and KV use as a table"),
     "db": ("pdserve.cli.db", "database schema: upgrade, current"),
     "tokenizer": ("pdserve.cli.tokenizer_cmd", "export the built-in tokenizer as a folder"),
+    "experts": ("pdserve.cli.experts", "per-GPU expert load before/after a placement: table and heat map"),
     "certs": ("pdserve.cli.certs", "make a development CA and mutual-TLS certificates"),
 }
 

@@ -29,6 +29,8 @@ reconciliation clean up what a lost reply leaves behind).
 
 from __future__ import annotations
 
+import base64
+
 import contextlib
 import functools
 import importlib.resources
@@ -127,6 +129,11 @@ def _store_call(method: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     return wrapper
 
 
+store_call = _store_call
+"""For other Redis-backed stores (prefix index, rendezvous): connection failures become
+``UnavailableError``, which callers retry and gRPC reports as UNAVAILABLE."""
+
+
 def _lua(name: str) -> str:
     return importlib.resources.files("pdserve.state").joinpath("lua", name).read_text("utf-8")
 
@@ -197,6 +204,8 @@ def _worker_fields(worker: WorkerRecord, expires_s: float) -> dict[str, str]:
         "last_heartbeat_s": _time(worker.last_heartbeat_s),
         "registered_s": _time(worker.registered_s),
         "expires_s": _time(expires_s),
+        # The client decodes replies as text: the opaque description travels as base64.
+        "spec": base64.b64encode(worker.spec).decode("ascii"),
     }
 
 
@@ -216,6 +225,7 @@ def _worker(fields: dict[str, str]) -> WorkerRecord:
         ),
         last_heartbeat_s=float(fields["last_heartbeat_s"]),
         registered_s=float(fields["registered_s"]),
+        spec=base64.b64decode(fields.get("spec", "")),
     )
 
 
