@@ -46,6 +46,7 @@ class TransportBackend(Protocol):
 _BUILTIN_MODULES: dict[str, str] = {
     "tcp": "pdserve.worker.transports.tcp",
     "inproc": "pdserve.worker.transports.inproc",
+    "nixl": "pdserve.worker.transports.nixl",
 }
 _BACKENDS: dict[str, TransportBackend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
