@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.common.clock import ManualClock
-from pdserve.common.errors import CapacityError, InvalidArgumentError
+from pdserve.common.errors import CapacityError, ConfigError, InvalidArgumentError
+from pdserve.common.service_settings import RouterSettings
+from pdserve.common.settings import parse_settings
 from pdserve.router.admission import (
     AdmissionConfig,
     AdmissionOutcome,
@@ -22,6 +24,7 @@ from pdserve.router.admission import (
     WorkerSnapshot,
     prior_tokens_per_s,
 )
+from pdserve.router.app import admission_config
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.pool_view import PoolView
 from pdserve.router.types import GenerationRequest, PrefillMode
@@ -181,6 +184,22 @@ def test_in_flight_caps_per_router_and_per_tenant() -> None:
     assert policy.admit(request("b0", tenant="b"), worker(), 0.0).is_admitted  # 9 in flight
     assert policy.admit(request("b1", tenant="b"), worker(), 0.0).is_admitted  # 10
     assert policy.admit(request("b2", tenant="b"), worker(), 0.0).outcome is AdmissionOutcome.ROUTER_FULL
+
+
+def test_router_settings_become_the_admission_config() -> None:
+    settings = parse_settings(RouterSettings, [
+        "--coordinator-address", "127.0.0.1:1", "--slo-ttft-ms", "1500",
+        "--shed-ttft-fraction", "0.9", "--max-pending-requests", "64",
+        "--tenant-max-in-flight", "gold=100,=7", "--tenant-weights", "gold=2.5",
+        "--is-shedding-enabled", "false"], {})
+    config = admission_config(settings)
+    assert config.budget_s == pytest.approx(1.35)
+    assert config.max_pending == 64 and not config.is_shedding_enabled
+    assert AdmissionPolicy(config).tenant_cap("") == 7
+    assert config.tenant_weights == (("gold", 2.5),)
+    with pytest.raises(ConfigError, match="tenant=value"):
+        parse_settings(RouterSettings, ["--coordinator-address", "127.0.0.1:1",
+                                        "--tenant-weights", "gold"], {})
 
 
 def test_duplicate_ids_and_bad_config_are_refused() -> None:
