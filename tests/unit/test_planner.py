@@ -251,3 +251,35 @@ def test_unreachable_slo_is_reported() -> None:
     # The unloaded decode step of this shape is ~29 ms: a 10 ms TPOT bound cannot be met.
     with pytest.raises(InvalidArgumentError, match="no configuration"):
         pl.plan(_demand(4.0), Slo(ttft_s=1.0, tpot_s=0.01), SHAPES, SHAPES, max_gpus=64)
+
+
+# -- against the simulator ---------------------------------------------------------------------
+
+
+def test_planner_predictions_agree_with_the_simulator() -> None:
+    """Planned configuration, same demand (Poisson arrivals, the plan's length sample): the
+    simulator's p90 TTFT within 25% (the prefill-queue model is a lower bound, see the planner's
+    docstring), p90 TPOT within 8%, attainment within 5 points."""
+    sim = pytest.importorskip("pdserve.sim")
+    traces = pytest.importorskip("pdserve.sim.traces")
+    from pdserve.router.policy import RoutingConfig
+
+    demand = _demand(12.0)
+    config = _plan(12.0).config
+    sizes = traces.Trace(np.zeros(len(demand.prompt_tokens)),
+                         np.asarray(demand.prompt_tokens), np.asarray(demand.output_tokens))
+    trace = traces.synthetic_trace(7200, 12.0, seed=3, sizes=sizes)
+    simulated = sim.simulate(trace, sim.SimConfig(
+        cluster=sim.ClusterSpec(config.num_prefill, config.num_decode, model=SHAPE.model,
+                                gpu=SHAPE.gpu, tp_size=SHAPE.tp_size, prefill_batch_tokens=1),
+        routing=RoutingConfig(local_prefill_threshold_tokens=config.local_prefill_threshold_tokens),
+        slo=sim.SloSpec(ttft_ms=SLO.ttft_s * 1000, tpot_ms=SLO.tpot_s * 1000)))
+    counted = simulated.arrival_s >= 60.0
+    has_steps = counted & (simulated.output_tokens > 1)
+    ttft = float(np.percentile(simulated.ttft_s[counted], 90))
+    tpot = float(np.percentile(simulated.tpot_s[has_steps], 90))
+    predicted = pl.predict(config, demand, SLO)
+    assert predicted.ttft_s == pytest.approx(ttft, rel=0.25)
+    assert predicted.tpot_s == pytest.approx(tpot, rel=0.08)
+    assert predicted.attainment == pytest.approx(float(simulated.met_slo()[counted].mean()),
+                                                 abs=0.05)

@@ -76,10 +76,11 @@ from pdserve.capacity.planner import (
 )
 from pdserve.common.errors import InvalidArgumentError
 
-DEFAULT_TOKEN_BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_TOKEN_BUDGETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Token budgets (``max_num_batched_tokens``) searched: vLLM's chunked-prefill default is 512
-(2048 in later versions); Sarathi-Serve uses 512-2048 for tight TPOT; 8192 is close to
-unchunked prefill for chat prompts."""
+(2048 in later versions); Sarathi-Serve uses 512-2048; budgets below the decode batch leave no
+room for prefill and are skipped by the model (unstable); 8192 is close to unchunked prefill
+for chat prompts."""
 
 
 @dataclass(frozen=True, slots=True)

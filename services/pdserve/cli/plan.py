@@ -137,9 +137,13 @@ def plot_sweep(points: Sequence[Any], marked: dict[str, float], path: Path, titl
     figure, axis = plt.subplots(figsize=(7, 4.2))
     ratios = [p.config.pd_ratio for p in points]
     axis.plot(ratios, [p.goodput_per_gpu for p in points], "o-", label="sweep")
-    for (label, ratio), style in zip(marked.items(), ("--", ":", "-."), strict=False):
+    labels_at: dict[float, list[str]] = {}
+    for label, ratio in marked.items():
+        labels_at.setdefault(round(ratio, 9), []).append(label)
+    for (ratio, labels), style in zip(labels_at.items(), ("--", ":", "-."), strict=False):
         axis.axvline(ratio, linestyle=style, color="gray")
-        axis.text(ratio, axis.get_ylim()[1], f" {label}", rotation=90, va="top", fontsize=8)
+        axis.text(ratio, axis.get_ylim()[1], " " + " = ".join(labels), rotation=90, va="top",
+                  fontsize=8)
     axis.set_xscale("log")
     axis.set_xlabel("prefill GPUs : decode GPUs")
     axis.set_ylabel("goodput per GPU (req/s at SLO attainment)")
