@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import socket
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2_grpc
@@ -22,6 +23,9 @@ from pdserve.worker.control import GrpcControlPlane, PoolClient
 from pdserve.worker.engine import Engine
 from pdserve.worker.servicer import SERVICE_NAME, WorkerAgentServicer
 from pdserve.worker.transports.registry import TransportBackend, get_backend
+
+if TYPE_CHECKING:
+    from pdserve.worker.engines.tiny import TinyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +42,27 @@ def build_engine(settings: WorkerSettings) -> Engine:
             expert_skew=settings.expert_skew, expert_seed=settings.expert_seed,
         ))
     if settings.engine == "tiny":
-        from pdserve.worker.engines.tiny import TinyConfig, TinyEngine
+        from pdserve.worker.engines.tiny import TinyEngine
 
-        return TinyEngine(TinyConfig(block_size_tokens=settings.block_size_tokens))
+        return TinyEngine(tiny_config(settings))
     raise PdserveError(f"PDSERVE_ENGINE: expected sim or tiny, got {settings.engine!r}")
+
+
+def tiny_config(settings: WorkerSettings) -> TinyConfig:
+    """The tiny engine's shape from the worker's settings; ``ConfigError`` if inconsistent.
+    Workers that hand KV to each other need equal shapes and seeds (equal weights)."""
+    from pdserve.worker.engines.tiny import TinyConfig
+
+    extra = {"num_blocks": settings.max_num_blocks} if settings.max_num_blocks else {}
+    try:
+        return TinyConfig(
+            num_layers=settings.tiny_num_layers, hidden_size=settings.tiny_hidden_size,
+            num_heads=settings.tiny_num_heads, num_kv_heads=settings.tiny_num_kv_heads,
+            intermediate_size=2 * settings.tiny_hidden_size,
+            block_size_tokens=settings.block_size_tokens, seed=settings.tiny_seed, **extra,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"tiny engine: {exc}", field="tiny_hidden_size") from None
 
 
 def kv_backend(settings: WorkerSettings) -> TransportBackend:
