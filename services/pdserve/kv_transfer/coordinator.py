@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.kv_transfer import metrics
 from pdserve.common.errors import InvalidArgumentError, StaleTokenError, UnavailableError
 from pdserve.state.interfaces import TicketLedger, WorkerStore
 from pdserve.state.types import (
@@ -157,8 +158,11 @@ class KvTransferCoordinator:
             ticket = await self._ledger.transition(token, state)
         if state is TicketState.DONE and not ticket.is_held:
             ticket = await self._ledger.mark_held(token)
-            if record is not None and self._stats_sink is not None:
-                self._stats_sink.record(record)
+            if record is not None:
+                metrics.observe_transfer(ticket.deployment, record.num_bytes, record.transfer_s,
+                                         record.exposed_s)
+                if self._stats_sink is not None:
+                    self._stats_sink.record(record)
         self._publish(ticket)
         return ticket
 
@@ -234,6 +238,7 @@ class KvTransferCoordinator:
             self._subscribers.discard(queue)
 
     def _publish(self, ticket: Ticket) -> None:
+        metrics.observe_ticket(ticket)
         for queue in list(self._subscribers):
             if queue.full():
                 continue  # a slow watcher misses changes rather than slowing the coordinator

@@ -22,6 +22,7 @@ from pdserve.common.errors import (
     UnauthenticatedError,
 )
 from pdserve.pool.lifecycle import is_legal
+from pdserve.pool.metrics import observe_pool
 from pdserve.pool.provisioner import Provisioner, WorkerLaunch
 from pdserve.state.expert_loads import ExpertLoadReport, ExpertLoadStore, expert_load_store_for
 from pdserve.state.interfaces import StateBackend
@@ -272,7 +273,9 @@ class PoolManager:
         """Mark workers whose heartbeats stopped FAILED; returns them."""
         now = self._clock()
         failed = []
-        for record in await self._backend.workers.list(None, self.policy.role):
+        records = await self._backend.workers.list(None, self.policy.role)
+        observe_pool(self.policy.role, records)
+        for record in records:
             if record.state in (WorkerState.FAILED, WorkerState.DRAINED):
                 continue
             if now - record.last_heartbeat_s > self.policy.heartbeat_timeout_s:

@@ -1,0 +1,35 @@
+"""Prometheus metrics of a pool manager, refreshed from the worker records each health pass."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from pdserve.common.metrics import gauge
+from pdserve.state.types import WorkerRecord, WorkerRole, WorkerState
+
+WORKERS = gauge("pool", "size", "workers", "Workers by deployment, role and state.",
+                ["deployment", "role", "state"])
+FREE_BLOCKS = gauge("pool", "free_kv", "blocks", "Free KV blocks a decode worker reported.",
+                    ["deployment", "worker"])
+QUEUED_TOKENS = gauge("pool", "queued_prefill", "tokens",
+                      "Prompt tokens queued on a prefill worker.", ["deployment", "worker"])
+
+_seen: set[tuple[str, str, str]] = set()
+
+
+def observe_pool(role: WorkerRole, records: Iterable[WorkerRecord]) -> None:
+    counts: Counter[tuple[str, str, str]] = Counter()
+    for record in records:
+        counts[(record.deployment, str(role), str(record.state))] += 1
+        if role is WorkerRole.DECODE:
+            FREE_BLOCKS.labels(record.deployment, record.worker_id).set(record.load.num_free_blocks)
+        else:
+            QUEUED_TOKENS.labels(record.deployment, record.worker_id).set(
+                record.load.num_queued_prefill_tokens)
+    for deployment, role_name, _ in list(_seen) + list(counts):
+        for state in WorkerState:
+            key = (deployment, role_name, str(state))
+            if key in counts or key in _seen:
+                WORKERS.labels(*key).set(counts.get(key, 0))
+                _seen.add(key)
