@@ -355,8 +355,10 @@ class Simulator:
         self._win_arrivals += 1
         self._win_prompt += req.prompt
         self._win_output += req.output
-        if req.num_blocks > self.model.num_blocks:
-            self._finish_unserved(req, RequestStatus.REJECTED)  # can never fit anywhere
+        if req.num_blocks > self.model.num_blocks or not self._d_sorted:
+            # Can never fit anywhere, or no decode instance is ready (the live router answers
+            # UNAVAILABLE then): refused at once.
+            self._finish_unserved(req, RequestStatus.REJECTED)
             return
         queue = self._queue
         if queue:
@@ -374,6 +376,11 @@ class Simulator:
         queue = self._queue
         while queue and self._try_route(queue[0]):
             queue.popleft()
+        if queue and not any(d.state in (_STARTING, _READY) for d in self._decodes):
+            while queue:  # no decode instance will ever have room: refuse what waits
+                req = queue.popleft()  # (a retry that cannot be placed has failed)
+                self._finish_unserved(req, RequestStatus.FAILED if req.num_attempts
+                                      else RequestStatus.REJECTED)
 
     def _try_route(self, req: _Req) -> bool:
         """Route ``req`` with the live policy and dispatch it; False if no decode has room."""
@@ -1071,6 +1078,9 @@ class Simulator:
         timeline["kv_used_fraction"].append(
             self._used_blocks / self._serving_blocks if self._serving_blocks else 0.0)
         if self._in_flight or not self._all_arrived():
+            if self._all_arrived() and all(e[2] in (_EV_SCALE, _EV_SAMPLE) for e in self._heap):
+                raise RuntimeError(f"simulation stalled at {self.now:.1f} s: {self._in_flight} "
+                                   "requests in flight and nothing scheduled to move them")
             self._push(self.now + self.config.sample_interval_s, _EV_SAMPLE, None)
 
     def _counts(self) -> tuple[int, int, int, int, int, int]:
