@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("pdserve.cli.status", "pools, workers, tickets and KV use as a table"),
     "db": ("pdserve.cli.db", "database schema: upgrade, current"),
     "tokenizer": ("pdserve.cli.tokenizer_cmd", "export the built-in tokenizer as a folder"),
+    "capacity": ("pdserve.cli.capacity_cmd", "KV-cache capacity per TP size: blocks, tokens, concurrency for a length mix"),
+    "plan": ("pdserve.cli.plan", "prefill and decode instance counts for a demand and SLO, with a P:D sweep plot"),
     "experts": ("pdserve.cli.experts", "per-GPU expert load before/after a placement: table and heat map"),
     "certs": ("pdserve.cli.certs", "make a development CA and mutual-TLS certificates"),
 }
