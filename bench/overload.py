@@ -13,7 +13,11 @@ calibrated roofline) and 16 output tokens. SLOs: TTFT 1,000 ms, TPOT 100 ms.
    arrival process does not slow down when the server does). Goodput = requests per second that
    met both SLOs. Shed requests get RESOURCE_EXHAUSTED with a ``retry-after-ms`` hint; the time
    to that answer is reported too (shedding must be immediate).
-3. The same 3x load on a second stack with shedding disabled (``--is-shedding-enabled false``;
+3. Fairness: 3x load again, from two tenants (API keys mapped to tenants), one sending ten times
+   the other's rate; the light tenant should keep its goodput near its demand. For contrast, the
+   same with the fair-share band switched off (``--fair-share-onset 1``: shedding blind to
+   tenants).
+4. The same 3x load on a second stack with shedding disabled (``--is-shedding-enabled false``;
    the in-flight caps and the decode KV-room check still apply).
 
     python bench/overload.py [--seconds 30] [--sweep-s 10]
@@ -32,10 +36,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -63,6 +69,7 @@ class Workload:
 WORKLOAD = Workload()
 _seeds = itertools.count(1)
 """Every run draws new prompts: a repeated prompt would hit the prefill workers' prefix cache."""
+TENANT_KEYS = {"heavy": "bench-heavy-tenant-key-0001", "light": "bench-light-tenant-key-0002"}
 GOOD_FRACTION = 0.95
 """Capacity = the highest swept rate at which this fraction of requests meets both SLOs."""
 
@@ -77,11 +84,16 @@ def log(message: str) -> None:
 class Stack:
     """``pdserve up`` as a child process (and its workers, which it stops on SIGTERM)."""
 
-    def __init__(self, workload: Workload, is_shedding_enabled: bool) -> None:
+    def __init__(self, workload: Workload, is_shedding_enabled: bool,
+                 tenant_keys: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()
+                 ) -> None:
         self.workload = workload
         self.is_shedding_enabled = is_shedding_enabled
+        self.tenant_keys = tenant_keys
+        self.extra_args = extra_args
         self.process: subprocess.Popen[str] | None = None
         self.address = ""
+        self._keys_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def start(self) -> Stack:
         w = self.workload
@@ -90,7 +102,12 @@ class Stack:
                 "--num-decode", str(w.num_decode), "--speedup", str(w.speedup),
                 "--slo-ttft-ms", str(w.slo_ttft_ms), "--slo-tpot-ms", str(w.slo_tpot_ms),
                 "--is-shedding-enabled", str(self.is_shedding_enabled).lower(),
-                "--log-level", "WARNING"]
+                "--log-level", "WARNING", *self.extra_args]
+        if self.tenant_keys:
+            self._keys_dir = tempfile.TemporaryDirectory(prefix="pdserve-bench-")
+            path = Path(self._keys_dir.name) / "api_keys"
+            path.write_text("".join(f"{key} {tenant}\n" for tenant, key in self.tenant_keys.items()))
+            argv += ["--api-keys-path", str(path)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "OTEL_"))}
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         text=True, env=env)
@@ -114,11 +131,15 @@ class Stack:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
+        if self._keys_dir is not None:
+            self._keys_dir.cleanup()
 
 
 @contextmanager
-def running_stack(workload: Workload, is_shedding_enabled: bool) -> Iterator[Stack]:
-    stack = Stack(workload, is_shedding_enabled).start()
+def running_stack(workload: Workload, is_shedding_enabled: bool,
+                  tenant_keys: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()
+                  ) -> Iterator[Stack]:
+    stack = Stack(workload, is_shedding_enabled, tenant_keys, extra_args).start()
     try:
         yield stack
     finally:
@@ -150,13 +171,14 @@ class Run:
 
 
 async def _one(stub: router_pb2_grpc.RouterServiceStub, prompt: list[int], workload: Workload,
-               outcome: Outcome) -> None:
+               outcome: Outcome, metadata: tuple[tuple[str, str], ...]) -> None:
     started = time.perf_counter()
     first = last = 0.0
     request = router_pb2.GenerateRequest(model=workload.model, prompt_token_ids=prompt,
                                          sampling=pb.SamplingParams(max_tokens=workload.max_tokens))
     try:
-        async for chunk in stub.Generate(request, timeout=workload.request_timeout_s):
+        async for chunk in stub.Generate(request, timeout=workload.request_timeout_s,
+                                         metadata=metadata):
             if chunk.token_ids:
                 last = time.perf_counter()
                 if not first:
@@ -182,10 +204,13 @@ async def _one(stub: router_pb2_grpc.RouterServiceStub, prompt: list[int], workl
 
 
 async def run_load(address: str, rate_rps: float, duration_s: float,
-                   workload: Workload = WORKLOAD, seed: int | None = None) -> Run:
-    """Poisson arrivals at ``rate_rps`` for ``duration_s``, open loop; waits for every answer."""
+                   workload: Workload = WORKLOAD, seed: int | None = None,
+                   api_key: str | None = None) -> Run:
+    """Poisson arrivals at ``rate_rps`` for ``duration_s``, open loop; waits for every answer.
+    ``api_key`` is sent as ``authorization: Bearer`` (it picks the tenant)."""
     rng = np.random.default_rng(next(_seeds) if seed is None else seed)
     run = Run(rate_rps, duration_s)
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         tasks = []
@@ -199,10 +224,18 @@ async def run_load(address: str, rate_rps: float, duration_s: float,
             prompt = rng.integers(32, 127, size=workload.num_prompt_tokens).tolist()
             outcome = Outcome()
             run.outcomes.append(outcome)
-            tasks.append(asyncio.create_task(_one(stub, prompt, workload, outcome)))
+            tasks.append(asyncio.create_task(_one(stub, prompt, workload, outcome, metadata)))
             next_at += rng.exponential(1 / rate_rps)
         await asyncio.gather(*tasks)
     return run
+
+
+async def run_tenants(address: str, rate_by_key: dict[str, float], duration_s: float,
+                      workload: Workload = WORKLOAD) -> list[Run]:
+    """One ``run_load`` per API key, at the same time."""
+    return list(await asyncio.gather(*(
+        run_load(address, rate, duration_s, workload, api_key=key)
+        for key, rate in rate_by_key.items())))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -290,7 +323,8 @@ def measure_goodput(load_multiplier: float, *, capacity_rps: float | None = None
                     address: str | None = None, workload: Workload = WORKLOAD
                     ) -> dict[str, float]:
     """Goodput (requests/s meeting both SLOs) at ``load_multiplier`` x capacity, Poisson arrivals
-    for ``duration_s``. Without ``address`` a stack is started (and stopped); without
+    for ``duration_s``. Without ``address`` a stack is started (and stopped; shedding as
+    ``is_shedding_enabled`` says, which is ignored with an ``address``); without
     ``capacity_rps`` the capacity is measured first (once per process and workload). The dict
     holds ``summarize``'s figures plus ``capacity_rps``, ``load_multiplier`` and
     ``leaked_blocks`` (ledger blocks still reserved or held afterwards; 0 is right)."""
@@ -310,6 +344,27 @@ def measure_goodput(load_multiplier: float, *, capacity_rps: float | None = None
     result.update(capacity_rps=capacity_rps, load_multiplier=load_multiplier,
                   leaked_blocks=asyncio.run(leaked_blocks(address, workload.model)))
     return result
+
+
+def measure_fairness(capacity_rps: float, duration_s: float, workload: Workload = WORKLOAD,
+                     is_fair: bool = True) -> dict[str, dict[str, float]]:
+    """3x capacity from two tenants, ``heavy`` at ten times ``light``'s rate, on a stack of its
+    own (API keys for the two); ``is_fair=False`` switches the fair-share band off."""
+    extra = () if is_fair else ("--fair-share-onset", "1")
+    total = 3.0 * capacity_rps
+    rates = {"heavy": total * 10 / 11, "light": total / 11}
+    with running_stack(workload, True, TENANT_KEYS, extra) as stack:
+        asyncio.run(run_tenants(stack.address, {TENANT_KEYS[t]: 0.5 * r for t, r in rates.items()},
+                                4.0, workload))  # warm-up
+        runs = asyncio.run(run_tenants(stack.address, {TENANT_KEYS[t]: r for t, r in rates.items()},
+                                       duration_s, workload))
+        time.sleep(1.0)
+        leaked = asyncio.run(leaked_blocks(stack.address, workload.model))
+    results = {}
+    for tenant, run in zip(rates, runs, strict=True):
+        results[tenant] = summarize(run, workload)
+        results[tenant]["leaked_blocks"] = leaked
+    return results
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -352,6 +407,11 @@ def main() -> None:
                                      address=stack.address, workload=workload)
             rows.append((f"{multiplier:g}x shedding", result))
             log(f"  {multiplier:g}x: goodput {result['goodput_rps']:.2f} rps")
+    for is_fair in (True, False):
+        name = "fair share" if is_fair else "tenant-blind"
+        for tenant, result in measure_fairness(capacity, args.seconds, workload, is_fair).items():
+            rows.append((f"3x {name}: {tenant}", result))
+        log(f"  3x {name}: light tenant met the SLOs for {result['slo_fraction']:.1%}")
     with running_stack(workload, is_shedding_enabled=False) as stack:
         warm_up(stack.address, workload)
         result = measure_goodput(3.0, capacity_rps=capacity, duration_s=args.seconds,
@@ -362,7 +422,8 @@ def main() -> None:
           f"{workload.num_prompt_tokens} tokens, {workload.max_tokens} output tokens; SLO TTFT "
           f"{workload.slo_ttft_ms:.0f} ms, TPOT {workload.slo_tpot_ms:.0f} ms")
     print(f"capacity (highest rate with >= {GOOD_FRACTION:.0%} of requests meeting both SLOs): "
-          f"{capacity:.2f} requests/s; Poisson arrivals, {args.seconds:.0f} s per run")
+          f"{capacity:.2f} requests/s; Poisson arrivals, {args.seconds:.0f} s per run; "
+          f"two-tenant runs: heavy sends 10x light's rate, 3x capacity in all")
     print(_table(rows))
     by_name = dict(rows)
     one, three, blind = by_name["1x shedding"], by_name["3x shedding"], by_name["3x no shedding"]
@@ -380,8 +441,14 @@ def main() -> None:
         "ttft_p99_ms_3x": round(three["ttft_p99_ms"], 1),
         "ttft_p99_ms_3x_no_shedding": round(blind["ttft_p99_ms"], 1),
         "shed_answer_p99_ms_3x": round(three["shed_answer_p99_ms"], 1),
+        "light_tenant_slo_fraction_3x": round(by_name["3x fair share: light"]["slo_fraction"], 4),
+        "heavy_tenant_shed_fraction_3x": round(by_name["3x fair share: heavy"]["shed_fraction"], 4),
+        "light_tenant_slo_fraction_3x_blind": round(
+            by_name["3x tenant-blind: light"]["slo_fraction"], 4),
         "hung": int(sum(r["num_hung"] for _, r in rows)),
-        "leaked_blocks": int(sum(r["leaked_blocks"] for _, r in rows)),
+        # (The two rows of a two-tenant run share one stack and one ledger count.)
+        "leaked_blocks": int(sum(r["leaked_blocks"] for name, r in rows
+                                 if not name.endswith(": light"))),
     }))
 
 
