@@ -7,7 +7,9 @@
 * reflection listing the registered services (for ``grpcurl`` and friends);
 * error mapping at the boundary: a ``PdserveError`` raised by a servicer becomes its status code
   and message (``errors.status_for``); anything else becomes ``INTERNAL`` / ``"internal error"``
-  with the traceback logged, so internals never reach a client;
+  with the traceback logged, so internals never reach a client; a method the servicer does not
+  implement is UNIMPLEMENTED, and request bytes that do not parse are INVALID_ARGUMENT (gRPC
+  alone would answer UNKNOWN with the parser's message);
 * graceful shutdown on SIGTERM/SIGINT: health flips to NOT_SERVING (health watchers, i.e. client
   load balancers, hear it at once), then, after ``drain_delay_s``, the server refuses new calls and
   lets in-flight ones run for up to ``grace_period_s`` before cancelling them. A second signal
@@ -108,6 +110,10 @@ async def abort_with_error(
     them and a busy service would otherwise log every rejected request.
     """
     code, message = status_for(error)
+    if isinstance(error, NotImplementedError):
+        # What generated servicer bases raise for a method the service does not implement
+        # (after setting UNIMPLEMENTED on the context, which an abort would override).
+        code, message = grpc.StatusCode.UNIMPLEMENTED, "method not implemented"
     if code is grpc.StatusCode.INTERNAL:
         logger.error("%s failed: %s", method, type(error).__name__, exc_info=error)
     else:
@@ -115,11 +121,41 @@ async def abort_with_error(
     await context.abort(code, message, error_trailing_metadata(error, code, message))
 
 
+class _Undecodable:
+    """Stands for a request whose bytes did not parse (see ``_tolerant_deserializer``)."""
+
+
+_UNDECODABLE = _Undecodable()
+
+
+def _tolerant_deserializer(deserializer: Callable[[bytes], Any] | None) -> Any:
+    """``deserializer`` that returns ``_UNDECODABLE`` instead of raising: gRPC itself would
+    answer UNKNOWN with the parser's message and log an error for every malformed request; the
+    wrapped handler answers INVALID_ARGUMENT instead."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception:  # noqa: BLE001 - DecodeError, or whatever a deserializer raises
+            return _UNDECODABLE
+
+    return deserialize
+
+
+async def _refuse_undecodable(context: grpc.aio.ServicerContext, method: str) -> None:
+    logger.debug("%s: request bytes do not parse", method)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid message")
+
+
 def _wrap_coroutine(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     """Wrap a handler that returns (unary) or writes with ``context.write`` (streaming)."""
 
     @functools.wraps(behavior)
     async def wrapped(*args: Any) -> Any:
+        if args[0] is _UNDECODABLE:
+            await _refuse_undecodable(args[-1], method)
         try:
             return await behavior(*args)
         except grpc.aio.AbortError:
@@ -136,6 +172,8 @@ def _wrap_async_generator(behavior: Callable[..., Any], method: str) -> Callable
 
     @functools.wraps(behavior)
     async def wrapped(*args: Any) -> AsyncIterator[Any]:
+        if args[0] is _UNDECODABLE:
+            await _refuse_undecodable(args[-1], method)
         try:
             async for response in behavior(*args):
                 yield response
@@ -184,7 +222,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return handler
         return factory(
             _wrap_behavior(behavior, handler_call_details.method),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant_deserializer(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
