@@ -120,16 +120,21 @@ class KvDestinationSpec:
     def from_proto(message: object) -> KvDestinationSpec:
         """From a ``pdserve.api.v1.KvDestination``."""
         layout = message.kv_layout  # type: ignore[attr-defined]
-        return KvDestinationSpec(
-            kv_address=message.kv_address,  # type: ignore[attr-defined]
-            block_ids=tuple(int(b) for b in message.block_ids),  # type: ignore[attr-defined]
-            transport=message.transport,  # type: ignore[attr-defined]
-            layout=KvLayout(
+        try:
+            kv_layout = KvLayout(
                 num_layers=layout.num_layers,
                 num_blocks=layout.num_blocks,
                 block_size_tokens=layout.block_size_tokens,
                 block_nbytes=layout.block_nbytes,
-            ),
+            )
+        except ValueError as exc:  # a peer's malformed message, not our bug
+            raise InvalidArgumentError(f"destination.kv_layout: {exc}",
+                                       field="destination.kv_layout") from None
+        return KvDestinationSpec(
+            kv_address=message.kv_address,  # type: ignore[attr-defined]
+            block_ids=tuple(int(b) for b in message.block_ids),  # type: ignore[attr-defined]
+            transport=message.transport,  # type: ignore[attr-defined]
+            layout=kv_layout,
             metadata=bytes(message.transport_metadata),  # type: ignore[attr-defined]
             decode_worker_id=message.decode_worker_id,  # type: ignore[attr-defined]
         )
