@@ -11,7 +11,10 @@ gRPC errors, and a ``CapacityError`` keeps the server's ``retry_after_s``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import random
+import socket
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -72,6 +75,43 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     )
 
 
+def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target and extra channel options for ``address``: one ``host:port`` as it is;
+    a comma-separated list of replicas as one ``ipv4:``/``ipv6:`` target balanced round-robin
+    (calls go to replicas that are up; a call in flight on one that dies fails UNAVAILABLE and
+    the next goes to another). Host names in a list are resolved once, here."""
+    parts = [part.strip() for part in address.split(",") if part.strip()]
+    if len(parts) <= 1:
+        return address, []
+    resolved = [_resolve(part) for part in parts]
+    families = {family for family, _ in resolved}
+    if families == {socket.AF_INET}:
+        target = "ipv4:" + ",".join(endpoint for _, endpoint in resolved)
+    elif families == {socket.AF_INET6}:
+        target = "ipv6:" + ",".join(endpoint for _, endpoint in resolved)
+    else:  # mixed families: no single-scheme target; fall back to the first replica
+        return parts[0], []
+    options: list[tuple[str, Any]] = [
+        ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
+        # TLS checks the server certificate against the first replica's name.
+        ("grpc.ssl_target_name_override", parts[0].rpartition(":")[0].strip("[]")),
+    ]
+    return target, options
+
+
+def _resolve(address: str) -> tuple[int, str]:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        *_, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+        ip = ipaddress.ip_address(sockaddr[0])
+    if ip.version == 6:
+        return socket.AF_INET6, f"[{ip}]:{port}"
+    return socket.AF_INET, f"{ip}:{port}"
+
+
 def open_channel(
     address: str,
     settings: CommonSettings,
@@ -81,15 +121,22 @@ def open_channel(
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     options: Iterable[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
-    """An aio channel to ``address`` (``host:port``).
+    """An aio channel to ``address`` (``host:port``, or replicas ``host:port,host:port``:
+    ``channel_target``).
 
     ``tls`` defaults to the process's own TLS files (``settings.tls``); plaintext when neither is
     set. Tracing interceptors are added when tracing is on (they propagate ``traceparent``), then
     ``interceptors``. ``options`` extend or override ``channel_options``. Close the channel when
     done (``await channel.close()``).
     """
+    target, target_options = channel_target(address)
     merged = dict(channel_options(settings.grpc_max_message_bytes))
+    if target_options:
+        merged.update(target_options)
+        if (tls if tls is not None else settings.tls) is None:
+            merged.pop("grpc.ssl_target_name_override", None)
     merged.update(options)
+    address = target
     all_interceptors = [*client_interceptors(settings, tracer_provider), *interceptors]
     tls = tls if tls is not None else settings.tls
     if tls is None:

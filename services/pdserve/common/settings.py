@@ -209,6 +209,14 @@ HOST: Parser[str] = Parser(
 
 
 def _parse_address(raw: str) -> str:
+    """One ``host:port``, or several separated by commas (replicas of one service)."""
+    parts = [part.strip() for part in raw.split(",")]
+    if len(parts) > 1:
+        return ",".join(_parse_one_address(part) for part in parts)
+    return _parse_one_address(raw)
+
+
+def _parse_one_address(raw: str) -> str:
     text = raw.strip()
     host, sep, port_text = text.rpartition(":")
     if not sep:
@@ -226,9 +234,12 @@ def _parse_address(raw: str) -> str:
 
 
 ADDRESS: Parser[str] = Parser(
-    "host:port with port 0-65535 (e.g. 127.0.0.1:50051 or [::1]:50051)", _parse_address
+    "host:port with port 0-65535 (e.g. 127.0.0.1:50051 or [::1]:50051), or several "
+    "separated by commas for the replicas of one service", _parse_address
 )
-"""A ``host:port`` address, returned unchanged (the form grpc takes)."""
+"""A ``host:port`` address, returned unchanged (the form grpc takes), or a comma-separated list
+of them: the replicas of one service, which clients balance round-robin and fail over between
+(``pdserve.common.grpc_client.open_channel``)."""
 
 
 def url(*schemes: str, needs_host: Sequence[str] = ()) -> Parser[str]:

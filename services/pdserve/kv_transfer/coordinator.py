@@ -122,7 +122,11 @@ class KvTransferCoordinator:
         if spec.num_blocks <= 0:
             raise InvalidArgumentError("num_blocks: must be > 0", field="num_blocks")
         decode = await self._workers.get(spec.decode_worker_id)
-        if decode is None or decode.role is not WorkerRole.DECODE:
+        if decode is None:
+            # Not (or no longer, or not yet again after a store restart) in the pool: callers
+            # retry elsewhere or after the next heartbeat re-adopts it.
+            raise UnavailableError(f"decode worker {spec.decode_worker_id} is not in the pool")
+        if decode.role is not WorkerRole.DECODE:
             raise InvalidArgumentError(
                 f"decode_worker_id: no decode worker {spec.decode_worker_id!r}",
                 field="decode_worker_id",
@@ -137,7 +141,9 @@ class KvTransferCoordinator:
             raise UnavailableError(f"decode worker {spec.decode_worker_id} is {decode.state}")
         if spec.prefill_worker_id:
             prefill = await self._workers.get(spec.prefill_worker_id)
-            if prefill is None or prefill.role is not WorkerRole.PREFILL:
+            if prefill is None:
+                raise UnavailableError(f"prefill worker {spec.prefill_worker_id} is not in the pool")
+            if prefill.role is not WorkerRole.PREFILL:
                 raise InvalidArgumentError(
                     f"prefill_worker_id: no prefill worker {spec.prefill_worker_id!r}",
                     field="prefill_worker_id",

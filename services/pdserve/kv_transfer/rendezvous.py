@@ -11,6 +11,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
+from pdserve.state.redis_backend import store_call
 from pdserve.state.types import FencingToken
 
 
@@ -66,11 +67,13 @@ class RedisRendezvous:
     def _key(self, token: FencingToken) -> str:
         return f"{self._prefix}:rendezvous:{token.ticket_id}:{token.attempt}"
 
+    @store_call
     async def publish(self, token: FencingToken, payload: bytes, ttl_s: float) -> None:
         key = self._key(token)
         await self._client.set(key, payload, px=max(1, int(ttl_s * 1000)))
         await self._client.publish(key, b"1")
 
+    @store_call
     async def wait(self, token: FencingToken, timeout_s: float) -> bytes | None:
         key = self._key(token)
         payload = await self._client.get(key)
@@ -95,5 +98,6 @@ class RedisRendezvous:
         finally:
             await pubsub.aclose()
 
+    @store_call
     async def forget(self, token: FencingToken) -> None:
         await self._client.delete(self._key(token))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -268,6 +269,8 @@ class Router:
                             request_id, attempt, retry.error.message)
                 last_error = retry.error
                 excluded.update(retry.worker_ids)
+                if not retry.worker_ids and attempt < self.config.max_attempts:
+                    await asyncio.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.2 * 2 ** attempt))
         assert last_error is not None
         raise last_error
 
@@ -336,8 +339,13 @@ class Router:
                 prefill_worker_id=decision.prefill_worker_id, num_blocks=decision.num_blocks,
                 lease_s=config.lease_s, request_id=request_id, num_prompt_tokens=len(prompt),
             ), config.rpc_timeout_s)
-        except (CapacityError, UnavailableError) as exc:
+        except CapacityError as exc:
             raise _Retry(exc, (decode.worker_id,)) from None
+        except UnavailableError as exc:
+            # The coordinator (or its store) could not take the ticket, or no longer knows the
+            # worker (a store restart, until its next heartbeat): not the worker's fault, so
+            # it is not excluded; the next attempt waits a little.
+            raise _Retry(exc, ()) from None
         self._pending_blocks[decode.worker_id] = self._pending_blocks.get(decode.worker_id, 0) + decision.num_blocks
         self._pending_seqs[decode.worker_id] = self._pending_seqs.get(decode.worker_id, 0) + 1
         decode_call = None

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
+from pdserve.state.redis_backend import store_call
+
 
 class PrefixIndex(Protocol):
     async def update(
@@ -75,6 +77,7 @@ class RedisPrefixIndex:
     def _key(self, deployment: str, worker_id: str) -> str:
         return f"{self._prefix}:prefix:{deployment}:{worker_id}"
 
+    @store_call
     async def update(
         self, deployment: str, worker_id: str, added: Iterable[int], removed: Iterable[int],
         is_full: bool = False,
@@ -92,6 +95,7 @@ class RedisPrefixIndex:
             pipe.pexpire(key, self._ttl_ms)
             await pipe.execute()
 
+    @store_call
     async def overlap(
         self, deployment: str, worker_ids: Sequence[str], hashes: Sequence[int]
     ) -> dict[str, int]:
@@ -107,5 +111,6 @@ class RedisPrefixIndex:
             for worker_id, reply in zip(worker_ids, replies, strict=True)
         }
 
+    @store_call
     async def drop(self, deployment: str, worker_id: str) -> None:
         await self._client.delete(self._key(deployment, worker_id))

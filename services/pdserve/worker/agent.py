@@ -20,6 +20,7 @@ import collections
 import logging
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,6 +75,30 @@ def estimate_exposed_s(result: object) -> float:
     num_layers = max(1, result.num_layers)  # type: ignore[attr-defined]
     hidden_s = result.prefill_compute_s * (num_layers - 1) / num_layers  # type: ignore[attr-defined]
     return max(0.0, result.transfer_s - hidden_s)  # type: ignore[attr-defined]
+
+
+def kv_checksum(kv_cache: object, block_ids: list[int]) -> int:
+    """CRC-32 of every layer of ``block_ids`` (layer-major, blocks in sequence order): what both
+    sides of a handoff compute over the prompt's KV, so an audit can compare them."""
+    crc = 0
+    ids = np.asarray(block_ids, dtype=np.int64)
+    for buffer in kv_cache.layer_buffers:  # type: ignore[attr-defined]
+        crc = zlib.crc32(np.ascontiguousarray(buffer[ids]), crc)
+    return crc
+
+
+@dataclass(frozen=True, slots=True)
+class KvChecksum:
+    """One handoff's prompt KV as one side saw it (sent by prefill, accepted by decode)."""
+
+    token: FencingToken
+    crc32: int
+    num_blocks: int
+    num_layers: int
+
+
+MAX_CHECKSUMS = 4096
+"""Recent handoffs whose checksums a worker keeps for audits."""
 
 
 class ControlPlane(Protocol):
@@ -230,6 +255,7 @@ class WorkerAgent:
         self.expert_placement_version = 0
         self._slot_to_expert: list[int] = []
         self._control_chains: dict[str, asyncio.Future[None]] = {}
+        self.kv_checksums: collections.deque[KvChecksum] = collections.deque(maxlen=MAX_CHECKSUMS)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -250,6 +276,11 @@ class WorkerAgent:
         if self._receiver is not None:
             await self._receiver.close()
         self._engine_thread.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def receiver(self) -> KvReceiver | None:
+        """Decode side: the KV receiver (its refusal and fencing counters); None on prefill."""
+        return self._receiver
 
     @property
     def num_in_flight(self) -> int:
@@ -472,6 +503,10 @@ class WorkerAgent:
                 raise
             if ticket.dropped:
                 raise StaleTokenError(f"ticket {key} was dropped: {ticket.dropped}")
+            num_prompt_blocks = self.engine.layout.num_blocks_for(len(prompt_token_ids))
+            self.kv_checksums.append(KvChecksum(
+                token, kv_checksum(self.engine.kv_cache, ticket.block_ids[:num_prompt_blocks]),
+                num_prompt_blocks, self.engine.layout.num_layers))
             sequence = Sequence(
                 request_id=request_id or key, prompt_token_ids=list(prompt_token_ids),
                 max_tokens=max_tokens, block_ids=ticket.block_ids,
@@ -673,6 +708,10 @@ class WorkerAgent:
                 self.profile.append((len(prompt), 1, compute_s, True))
                 result = await sender.finish(sequence.output_token_ids[0], compute_s)
                 exposed_s = time.perf_counter() - compute_end
+                num_sent = len(job.destination.block_ids)
+                self.kv_checksums.append(KvChecksum(
+                    job.token, kv_checksum(self.engine.kv_cache, block_ids[:num_sent]),
+                    num_sent, layout.num_layers))
         except BaseException:
             await sender.abort("prefill failed")
             raise

@@ -96,9 +96,19 @@ class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
         return worker_pb2.BeginDrainResponse(num_in_flight=self._agent.num_in_flight)
 
     async def GetStatus(self, request: worker_pb2.GetStatusRequest, context: grpc.aio.ServicerContext) -> worker_pb2.GetStatusResponse:
+        agent = self._agent
+        receiver = agent.receiver
         return worker_pb2.GetStatusResponse(
             worker=self._describe(),
             tickets=[worker_pb2.WorkerTicket(token=token_to_pb(t), num_blocks=n, phase=phase)
-                     for t, n, phase in self._agent.tickets()],
-            expert_placement_version=self._agent.expert_placement_version,
+                     for t, n, phase in agent.tickets()],
+            expert_placement_version=agent.expert_placement_version,
+            num_used_blocks=agent.allocator.num_blocks - agent.allocator.num_free_blocks,
+            num_total_blocks=agent.allocator.num_blocks,
+            kv_checksums=[worker_pb2.KvChecksum(token=token_to_pb(c.token), crc32=c.crc32,
+                                                num_blocks=c.num_blocks, num_layers=c.num_layers)
+                          for c in agent.kv_checksums],
+            num_refused_frames=receiver.num_rejections if receiver is not None else 0,
+            num_late_writes_accepted=(receiver.tickets.num_late_writes_accepted
+                                      if receiver is not None else 0),
         )

@@ -170,11 +170,33 @@ class WorkerTicket(_message.Message):
     def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., num_blocks: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("worker", "tickets", "expert_placement_version")
+    __slots__ = ("worker", "tickets", "expert_placement_version", "num_used_blocks", "num_total_blocks", "kv_checksums", "num_refused_frames", "num_late_writes_accepted")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     TICKETS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFUSED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LATE_WRITES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     worker: _common_pb2.WorkerInfo
     tickets: _containers.RepeatedCompositeFieldContainer[WorkerTicket]
     expert_placement_version: int
-    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., tickets: _Optional[_Iterable[_Union[WorkerTicket, _Mapping]]] = ..., expert_placement_version: _Optional[int] = ...) -> None: ...
+    num_used_blocks: int
+    num_total_blocks: int
+    kv_checksums: _containers.RepeatedCompositeFieldContainer[KvChecksum]
+    num_refused_frames: int
+    num_late_writes_accepted: int
+    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., tickets: _Optional[_Iterable[_Union[WorkerTicket, _Mapping]]] = ..., expert_placement_version: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_checksums: _Optional[_Iterable[_Union[KvChecksum, _Mapping]]] = ..., num_refused_frames: _Optional[int] = ..., num_late_writes_accepted: _Optional[int] = ...) -> None: ...
+
+class KvChecksum(_message.Message):
+    __slots__ = ("token", "crc32", "num_blocks", "num_layers")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    token: _common_pb2.FencingToken
+    crc32: int
+    num_blocks: int
+    num_layers: int
+    def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., crc32: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...

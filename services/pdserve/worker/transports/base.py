@@ -29,6 +29,7 @@ import abc
 import asyncio
 import collections
 import enum
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ from pdserve.common.errors import (
 from pdserve.state.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
+
+logger = logging.getLogger(__name__)
 
 MonotonicClock = Callable[[], float]
 """Seconds from an arbitrary origin (``time.perf_counter`` by default); only differences matter."""
@@ -506,6 +509,8 @@ class ReceiverTickets:
         self._max_finished = max_finished
         self.rejections: collections.deque[Rejection] = collections.deque(maxlen=max_rejections)
         self.num_rejections = 0
+        self.num_late_writes_accepted = 0
+        """Frames that landed after their ticket ended or its blocks changed owner (must be 0)."""
         self.on_failed: Callable[[FencingToken, str], None] | None = None
         """Called once when an active ticket fails (a push backend tells its sender)."""
 
@@ -621,7 +626,13 @@ class ReceiverTickets:
     def layer_landed(self, admission: LayerAdmission, num_bytes: int) -> None:
         """Every byte of an admitted frame is in place."""
         ticket = admission.ticket
-        if ticket.state.is_terminal:
+        if ticket.state.is_terminal or not self.owner_table.owns_all(ticket.token,
+                                                                     admission.block_ids):
+            # A fencing violation (the data path wrote after the ticket ended or its blocks
+            # changed owner): counted for audits, never expected.
+            self.num_late_writes_accepted += 1
+            logger.error("KV frame of %s layer %d landed after its ticket ended or its blocks "
+                         "changed owner", ticket.token, admission.layer)
             return
         ticket.num_received[admission.layer] += admission.positions.size
         ticket.num_bytes += num_bytes
