@@ -424,3 +424,34 @@ async def test_pool_join_tokens_rotate_without_a_restart(tmp_path: Path) -> None
         await backend.close()
     with pytest.raises(ConfigError):
         PoolSettings(role=WorkerRole.PREFILL).check()  # neither a token nor a token file
+
+
+async def test_http_api_keys_map_to_tenants_and_reload(tmp_path: Path) -> None:
+    import aiohttp
+
+    from pdserve.router.http_api import create_app, start_http_server
+
+    path = tmp_path / "api_keys"
+    _write(path, f"{CLIENT_KEY} acme\n")
+    backend = RecordingBackend()
+    app = create_app(backend, ByteTokenizer(), api_keys=KeyFile(path, poll_interval_s=0.0))
+    runner, port = await start_http_server(app, "127.0.0.1", 0)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+
+    async def status(session: aiohttp.ClientSession, key: str | None) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                                headers=headers) as response:
+            return response.status
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await status(session, None) == 401
+            assert await status(session, OTHER_CLIENT_KEY) == 401
+            assert await status(session, CLIENT_KEY) == 200
+            _write(path, f"{OTHER_CLIENT_KEY} globex\n")
+            assert await status(session, CLIENT_KEY) == 401
+            assert await status(session, OTHER_CLIENT_KEY) == 200
+    finally:
+        await runner.cleanup()
+    assert backend.tenants == ["acme", "globex"]
