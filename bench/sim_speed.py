@@ -125,18 +125,23 @@ def main() -> int:
           f"KV {extra['decode_kv_used_fraction']:.0%}; SLO attainment {best.attainment():.1%} "
           f"(TTFT {config.slo.ttft_ms:.0f} ms, TPOT {config.slo.tpot_ms:.0f} ms)")
     print()
-    header = f"{'':<22}{'requests':>10}{'sim s':>9}{'wall s':>9}{'requests/s':>13}{'events':>10}"
+    cpu_s = best.extra["cpu_s"]
+    header = (f"{'':<22}{'requests':>10}{'sim s':>9}{'wall s':>9}{'cpu s':>8}{'requests/s':>13}"
+              f"{'req/cpu-s':>11}{'events':>11}")
     print(header)
     print("-" * len(header))
     print(f"{'simulator':<22}{trace.num_requests:>10,}{best.end_s:>9.0f}{best.wall_s:>9.2f}"
-          f"{sim_rps:>13,.0f}{best.num_events:>10,}")
+          f"{cpu_s:>8.2f}{sim_rps:>13,.0f}{trace.num_requests / cpu_s:>11,.0f}"
+          f"{best.num_events:>11,}")
     print(f"{'baseline (read only)':<22}{trace.num_requests:>10,}{'':>9}{baseline_s:>9.2f}"
-          f"{base_rps:>13,.0f}{'':>10}")
+          f"{'':>8}{base_rps:>13,.0f}{'':>11}{'':>11}")
     print(f"overhead: simulating costs {base_rps / sim_rps:.0f}x reading the requests; "
           f"{best.num_events / trace.num_requests:.1f} events per request; "
-          f"sim runs {best.end_s / best.wall_s:.0f}x faster than real time")
+          f"sim runs {best.end_s / best.wall_s:.0f}x faster than real time; the process had "
+          f"{cpu_s / best.wall_s:.0%} of a core (other load on the machine slows the wall clock)")
     print(json.dumps({
         "sim_requests_per_s": round(sim_rps),
+        "sim_requests_per_cpu_s": round(trace.num_requests / cpu_s),
         "baseline_requests_per_s": round(base_rps),
         "num_requests": trace.num_requests,
         "num_gpus": NUM_INSTANCES * TP_SIZE,

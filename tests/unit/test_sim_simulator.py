@@ -25,7 +25,7 @@ from pdserve.sim.engine_model import InstanceModel, instance_model
 from pdserve.sim.traces import LengthSpec, Trace, parse_mooncake_jsonl, synthetic_trace
 from pdserve.state.types import TICKET_TRANSITIONS, TicketState
 
-MODEL = dict(model="llama-3.1-8b", gpu="h100-sxm-80gb", tp_size=1)
+MODEL = {"model": "llama-3.1-8b", "gpu": "h100-sxm-80gb", "tp_size": 1}
 INSTANCE = instance_model("llama-3.1-8b", "h100-sxm-80gb", 1)
 
 
@@ -50,7 +50,7 @@ def assert_conserved(result: SimResult) -> None:
     ended = sum(n for (_, dst), n in result.ticket_transitions.items()
                 if dst in ("done", "aborted"))
     assert opened == ended  # every ticket reached a terminal state exactly once
-    for (src, dst), _ in result.ticket_transitions.items():
+    for src, dst in result.ticket_transitions:
         assert TicketState(dst) in TICKET_TRANSITIONS[TicketState(src)]
     completed = result.status == RequestStatus.COMPLETED
     assert np.all(result.finish_s[completed] >= result.arrival_s[completed])
@@ -109,7 +109,7 @@ def test_coalesced_decode_steps_equal_single_steps() -> None:
     trace = busy_trace(4, num=1500, rate=25.0)
     config = SimConfig(cluster(2, 2))
     coalesced = run(trace, config)
-    import pdserve.sim.simulator as simulator
+    from pdserve.sim import simulator
 
     original = simulator.Simulator._start_run
 

@@ -128,7 +128,7 @@ def format_summary(summary: SimSummary) -> str:
     legend = ("miss reasons: queueing = met without waiting; transfer = met without the exposed "
               "KV transfer; compute = missed even without both; the 'both' row counts each "
               f"missed request once (TTFT reason first) of {n:,}")
-    return "\n\n".join([latency, misses, totals, legend])
+    return f"{latency}\n\n{misses}\n\n{totals}\n\n{legend}"
 
 
 @dataclass(frozen=True, slots=True)

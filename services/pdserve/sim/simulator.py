@@ -105,9 +105,27 @@ _INF = float("inf")
 class _Req:
     """A request in flight (freed when it finishes). Times are simulated seconds."""
 
-    __slots__ = ("i", "arrival", "prompt", "output", "route_request", "num_blocks", "attempt",
-                 "num_attempts", "dec", "pre", "ticket", "compute_s", "transfer_s", "first_s",
-                 "join_step", "join_s", "is_local", "cached", "hashes")
+    __slots__ = (
+        "arrival",
+        "attempt",
+        "cached",
+        "compute_s",
+        "dec",
+        "first_s",
+        "hashes",
+        "i",
+        "is_local",
+        "join_s",
+        "join_step",
+        "num_attempts",
+        "num_blocks",
+        "output",
+        "pre",
+        "prompt",
+        "route_request",
+        "ticket",
+        "transfer_s",
+    )
 
     def __init__(self, i: int, arrival: float, prompt: int, output: int,
                  route_request: RouteRequest, num_blocks: int) -> None:
@@ -133,8 +151,18 @@ class _Req:
 
 
 class _Instance:
-    __slots__ = ("idx", "wid", "role", "state", "epoch", "busy", "assigned", "launched_s",
-                 "rank", "key")
+    __slots__ = (
+        "assigned",
+        "busy",
+        "epoch",
+        "idx",
+        "key",
+        "launched_s",
+        "rank",
+        "role",
+        "state",
+        "wid",
+    )
 
     def __init__(self, idx: int, wid: str, role: WorkerRole, now: float) -> None:
         self.idx = idx
@@ -150,7 +178,7 @@ class _Instance:
 
 
 class _Prefill(_Instance):
-    __slots__ = ("queue", "queued_tokens", "batch", "lru", "candidate")
+    __slots__ = ("batch", "candidate", "lru", "queue", "queued_tokens")
 
     def __init__(self, idx: int, now: float) -> None:
         super().__init__(idx, f"p{idx}", WorkerRole.PREFILL, now)
@@ -162,9 +190,25 @@ class _Prefill(_Instance):
 
 
 class _Decode(_Instance):
-    __slots__ = ("free", "total", "running", "heap", "n_batch", "ctx_base", "steps", "waiting",
-                 "local", "step_kind", "step_s", "local_batch", "candidate", "run_steps",
-                 "run_start", "run_first_s", "run_delta_s")
+    __slots__ = (
+        "candidate",
+        "ctx_base",
+        "free",
+        "heap",
+        "local",
+        "local_batch",
+        "n_batch",
+        "run_delta_s",
+        "run_first_s",
+        "run_start",
+        "run_steps",
+        "running",
+        "step_kind",
+        "step_s",
+        "steps",
+        "total",
+        "waiting",
+    )
 
     def __init__(self, idx: int, now: float, total_blocks: int) -> None:
         super().__init__(idx, f"d{idx}", WorkerRole.DECODE, now)
@@ -247,10 +291,9 @@ class Simulator:
         self._prefill_ready_int = 0.0
         self._prefill_busy_s = 0.0
         self._prefill_busy_total_s = 0.0
-        self._num_running = 0
-        # Whole-run integrals: used blocks, serving blocks, ready prefill instances, running
-        # sequences (for the utilisation figures in SimResult.extra).
-        self._totals = [0.0, 0.0, 0.0, 0.0]
+        # Whole-run integrals: used blocks, serving blocks, ready prefill instances (for the
+        # utilisation figures in SimResult.extra).
+        self._totals = [0.0, 0.0, 0.0]
         # Per-interval counters for the scaling observation.
         self._win_arrivals = 0
         self._win_prompt = 0
@@ -287,6 +330,7 @@ class Simulator:
 
     def run(self) -> SimResult:
         started = time.perf_counter()
+        cpu_started = time.process_time()
         cluster = self.config.cluster
         for _ in range(cluster.num_prefill):
             self._make_ready(self._launch(WorkerRole.PREFILL))
@@ -299,7 +343,9 @@ class Simulator:
         self._push(0.0, _EV_SAMPLE, None)
         self._loop()
         self._advance(self.now)
-        return self._result(time.perf_counter() - started)
+        result = self._result(time.perf_counter() - started)
+        result.extra["cpu_s"] = time.process_time() - cpu_started
+        return result
 
     def _loop(self) -> None:
         heap = self._heap
@@ -661,8 +707,6 @@ class Simulator:
         if req.output <= 1:
             self._finish(req, dec)
             return
-        self._advance(self.now)
-        self._num_running += 1
         dec.waiting.append(req)
         dec.running += 1
         self._update_decode(dec)
@@ -768,7 +812,8 @@ class Simulator:
             last_s = step_s(n, context + (num_steps - 1) * n)
             delta_s = (last_s - first_s) / (num_steps - 1)
             mid = num_steps // 2
-            if abs(step_s(n, context + mid * n) - (first_s + mid * delta_s)) > 1e-9 * last_s:
+            if num_steps > 2 and abs(step_s(n, context + mid * n) - (first_s + mid * delta_s)) > (
+                    1e-9 * last_s):
                 num_steps = 1
         dec.step_kind = _STEP_DECODE
         dec.busy = True
@@ -816,7 +861,6 @@ class Simulator:
         dec.free += req.num_blocks
         if req.output > 1:
             dec.running -= 1
-            self._num_running -= 1
         dec.assigned.discard(req)
         self._update_decode(dec)
         self._blocks_freed = True
@@ -948,7 +992,6 @@ class Simulator:
         inst.assigned.clear()
         if isinstance(inst, _Decode):
             self._used_blocks -= inst.total - inst.free
-            self._num_running -= inst.running
             inst.free = inst.total
             inst.heap.clear()
             inst.waiting.clear()
@@ -961,6 +1004,7 @@ class Simulator:
         retries = []
         for req in victims:
             if req.first_s >= 0:
+                self._res_ttft[req.i] = req.first_s - req.arrival
                 self._finish_unserved(req, RequestStatus.FAILED)
             else:
                 self._abort(req, inst)
@@ -1108,7 +1152,6 @@ class Simulator:
             totals[0] += self._used_blocks * dt
             totals[1] += self._serving_blocks * dt
             totals[2] += self._num_prefill_ready * dt
-            totals[3] += self._num_running * dt
             self._last_t = now
 
     def _log(self, inst: _Prefill | _Decode, event: str) -> None:
@@ -1154,7 +1197,13 @@ class Simulator:
             wall_s=wall_s, extra=self._utilisation(), **res)
 
     def _utilisation(self) -> dict[str, float]:
-        used, serving, prefill_ready, running = self._totals
+        used, serving, prefill_ready = self._totals
+        # Time-integral of running sequences = the sum of each one's time from first token to
+        # its end (finish or failure).
+        ttft = np.frombuffer(self._res_ttft, dtype=np.float64)
+        finish = np.frombuffer(self._res_finish, dtype=np.float64)
+        started = (ttft > 0) & (self.trace.output_tokens > 1)
+        running = float(np.sum(finish[started] - self.trace.arrival_s[started] - ttft[started]))
         decode_ready_s = serving / self.model.num_blocks if self.model.num_blocks else 0.0
         slots = decode_ready_s * self.config.cluster.max_batch_size
         return {

@@ -268,8 +268,7 @@ def _parse_wall_clock(text: str, day_cache: dict[str, int]) -> tuple[int, float]
         day_text, separator, clock = text.partition("T")
     if not separator:
         raise ValueError("no time of day")
-    if clock.endswith("Z"):
-        clock = clock[:-1]
+    clock = clock.removesuffix("Z")
     for sign in ("+", "-"):
         where = clock.find(sign)
         if where > 0:
@@ -394,7 +393,7 @@ def rate_scale(trace: Trace, factor: float, *, seed: int = 0, jitter_s: float = 
     if factor <= 1.0:
         return trace.take(np.flatnonzero(rng.random(n) < factor))
     span = max(trace.duration_s, 1e-9)
-    num_whole = int(math.floor(factor))
+    num_whole = math.floor(factor)
     fraction = factor - num_whole
     parts_index = [np.arange(n)]
     parts_time = [trace.arrival_s]
