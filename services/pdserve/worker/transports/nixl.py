@@ -370,12 +370,18 @@ class _Source:
 
 @dataclass(eq=False)
 class _Read:
-    """One READ in flight. ``is_cancelled``: NIXL released (cancelled) it before it ended."""
+    """One posted READ of one admitted layer. ``is_ended``: no byte of it moves any more
+    (completed, failed, or cancelled by NIXL, ``is_cancelled``)."""
 
-    token: FencingToken
+    admission: LayerAdmission
     handle: Any
+    status: str = "PROC"
     is_ended: bool = False
     is_cancelled: bool = False
+
+    @property
+    def token(self) -> FencingToken:
+        return self.admission.token
 
     def try_cancel(self) -> bool:
         try:
@@ -383,20 +389,27 @@ class _Read:
         except Exception:  # noqa: BLE001 - NIXL could not cancel it (yet)
             return False
         self.is_cancelled = True
+        self.is_ended = True
+        self.status = "CANCELLED"
         return True
 
 
 @dataclass(eq=False)
 class _Connection:
     """One sender's control connection. LAYER and DONE messages wait in ``ordered`` for the
-    connection's worker (READs one after another, DONE after them); HELLO and ABORT act at once,
-    so an ABORT stops a READ that waits for a sender that has gone quiet."""
+    connection's worker, which posts each layer's READ without waiting for the previous one to
+    finish (``pending``, polled by one poller task) and holds DONE until the ticket's READs have
+    ended; HELLO and ABORT act at once, so an ABORT stops READs that wait for a sender that has
+    gone quiet."""
 
     writer: asyncio.StreamWriter
     sources: dict[FencingToken, _Source] = field(default_factory=dict)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ordered: asyncio.Queue[tuple[Kind, FencingToken | None, bytes]] = field(
         default_factory=asyncio.Queue)
+    pending: list[_Read] = field(default_factory=list)
+    read_ended: asyncio.Event = field(default_factory=asyncio.Event)
+    poller: asyncio.Task[None] | None = None
 
 
 class NixlKvReceiver(KvReceiver):
@@ -471,14 +484,16 @@ class NixlKvReceiver(KvReceiver):
         for read in list(self._inflight.values()):
             if read.token != token or read.is_ended:
                 continue
-            while agent.check_xfer_state(read.handle) == "PROC":
+            while not read.is_ended:
+                read.status = agent.check_xfer_state(read.handle)
+                read.is_ended = read.status != "PROC"
                 waited_s = time.monotonic() - started
-                if waited_s > self._settings.quiesce_spin_s and read.try_cancel():
-                    break
-                if waited_s > self._settings.quiesce_timeout_s:
-                    logger.error("READ of %s still in flight after %.1f s", token, waited_s)
-                    return
-            read.is_ended = True
+                if not read.is_ended and waited_s > self._settings.quiesce_spin_s:
+                    if read.try_cancel():
+                        break
+                    if waited_s > self._settings.quiesce_timeout_s:
+                        logger.error("READ of %s still in flight after %.1f s", token, waited_s)
+                        return
 
     # -- connections --
 
@@ -521,6 +536,9 @@ class NixlKvReceiver(KvReceiver):
                 self.tickets.fail(token, "connection lost")
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
+            if connection.poller is not None:
+                connection.poller.cancel()
+                await asyncio.gather(connection.poller, return_exceptions=True)
             writer.close()
 
     async def _work(self, connection: _Connection) -> None:
@@ -569,6 +587,9 @@ class NixlKvReceiver(KvReceiver):
                 if len(body) != _DONE.size:
                     raise ControlError(f"DONE body is {len(body)} bytes")
                 first_token_id, prefill_compute_s, num_layers = _DONE.unpack(body)
+                while any(read.token == token for read in connection.pending):
+                    connection.read_ended.clear()
+                    await connection.read_ended.wait()
                 self.tickets.admit_done(token, first_token_id, prefill_compute_s, num_layers)
                 await self._reply(connection, encode_message(Kind.ACK, token, bytes([Kind.DONE])))
             elif kind == Kind.ABORT:
@@ -627,51 +648,74 @@ class NixlKvReceiver(KvReceiver):
         if layer >= source.base_addresses.size:
             raise FrameRefusedError(self.tickets.refuse(
                 token, "LAYER", layer, RejectReason.LAYER_OUT_OF_RANGE, "sender has no such layer"))
-        await self._read(admission, source, src_ids)
+        self._post_read(connection, admission, source, src_ids)
 
-    async def _read(self, admission: LayerAdmission, source: _Source, src_ids: np.ndarray) -> None:
-        """READ one admitted layer into its blocks; marks it landed if the ticket still lives."""
+    def _post_read(self, connection: _Connection, admission: LayerAdmission, source: _Source,
+                   src_ids: np.ndarray) -> None:
+        """Post the READ of one admitted layer into its blocks; the poller finishes it."""
         assert self._agent is not None
         agent = self._agent.agent
-        token, layer = admission.token, admission.layer
         if not admission.still_writable():
             return
-        local, remote = read_descriptors(self._agent, layer, admission.block_ids,
-                                         int(source.base_addresses[layer]), src_ids)
+        local, remote = read_descriptors(self._agent, admission.layer, admission.block_ids,
+                                         int(source.base_addresses[admission.layer]), src_ids)
         try:
             handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
                                            agent.get_xfer_descs(remote, "DRAM"),
                                            source.agent_name)
         except Exception as exc:  # noqa: BLE001 - NIXL refuses unregistered source ranges here
             raise FrameRefusedError(self.tickets.refuse(
-                token, "LAYER", layer, RejectReason.MALFORMED_FRAME,
+                admission.token, "LAYER", admission.layer, RejectReason.MALFORMED_FRAME,
                 f"NIXL refused the READ: {type(exc).__name__} {exc}")) from None
-        read = _Read(token, handle)
+        read = _Read(admission, handle)
         self._inflight[id(read)] = read
+        connection.pending.append(read)
+        read.status = agent.transfer(handle)
+        read.is_ended = read.status != "PROC"
+        if read.is_ended:
+            self._end_read(connection, read)
+        elif connection.poller is None or connection.poller.done():
+            connection.poller = asyncio.create_task(self._poll_reads(connection),
+                                                    name="nixl-read-poller")
+
+    async def _poll_reads(self, connection: _Connection) -> None:
+        """Drive the connection's READs until none is pending (spin, then back off)."""
+        assert self._agent is not None
+        agent = self._agent.agent
+        polls = 0
         try:
-            status = agent.transfer(handle)
-            polls = 0
-            while status == "PROC" and not read.is_cancelled:
-                if admission.ticket.state.is_terminal:  # failed or cancelled: stop waiting
-                    break
-                polls += 1
-                await asyncio.sleep(0 if polls < self._settings.read_spin_polls
-                                    else self._settings.read_poll_interval_s)
-                if not read.is_cancelled:
-                    status = agent.check_xfer_state(handle)
-        finally:
-            self._quiesce(token)  # cancelled while waiting: the READ still ends first
-            del self._inflight[id(read)]
-            if not read.is_cancelled:
-                with contextlib.suppress(Exception):
-                    handle.release()
-        if read.is_cancelled:
-            status = "CANCELLED"
+            while connection.pending:
+                for read in list(connection.pending):
+                    if not read.is_ended and read.admission.ticket.state.is_terminal:
+                        self._quiesce(read.token)  # failed or cancelled: end it now
+                    if not read.is_ended:
+                        read.status = agent.check_xfer_state(read.handle)
+                        read.is_ended = read.status != "PROC"
+                    if read.is_ended:
+                        self._end_read(connection, read)
+                if connection.pending:
+                    polls += 1
+                    await asyncio.sleep(0 if polls < self._settings.read_spin_polls
+                                        else self._settings.read_poll_interval_s)
+        finally:  # cancelled (connection gone, receiver closing): no READ may outlive us
+            for read in list(connection.pending):
+                self._quiesce(read.token)
+                self._end_read(connection, read)
+
+    def _end_read(self, connection: _Connection, read: _Read) -> None:
+        """An ended READ: land it if it completed and the ticket still owns the blocks."""
+        connection.pending.remove(read)
+        self._inflight.pop(id(read), None)
+        connection.read_ended.set()
+        if not read.is_cancelled:
+            with contextlib.suppress(Exception):
+                read.handle.release()
         self.num_reads += 1
-        if status != "DONE":
-            self.tickets.fail(token, f"NIXL READ of layer {layer} failed ({status})")
-            return
-        if admission.still_writable():
+        admission = read.admission
+        if read.status != "DONE" or not read.is_ended:
+            self.tickets.fail(read.token,
+                              f"NIXL READ of layer {admission.layer} failed ({read.status})")
+        elif admission.still_writable():
             num_bytes = admission.block_ids.size * self.kv_cache.layout.block_nbytes
             self.tickets.layer_landed(admission, num_bytes)
 
