@@ -43,6 +43,34 @@ class InstanceModel:
     def decode_step_s(self, batch_size: int, total_context_tokens: int) -> float:
         return self.perf.decode_step_time_s(batch_size, total_context_tokens)
 
+    def decode_step_lines(self, batch_size: int) -> tuple[float, float, float, float] | None:
+        """``(base_a, slope_a, base_b, slope_b)`` with ``decode_step_s(batch_size, c) ==
+        max(base_a + slope_a c, base_b + slope_b c)`` for every context ``c`` (seconds, per
+        token), or None if the performance model is not of that shape.
+
+        The roofline is the larger of a compute and a memory bound, each linear in the context
+        for a fixed batch; the lines are read off the model near zero context and far out, then
+        checked against it at contexts from 0 to 10^8 tokens and around their crossing.
+        """
+        step = self.perf.decode_step_time_s
+        n = batch_size
+        near, far = 1024.0 * n, 1e9
+        slope_a = (step(n, int(near)) - step(n, 0)) / near
+        base_a = step(n, 0)
+        slope_b = (step(n, int(2 * far)) - step(n, int(far))) / far
+        base_b = step(n, int(far)) - slope_b * far
+        points = [0, 16, 1000, 10**4, 10**5, 10**6, 10**7, 10**8]
+        if abs(slope_b - slope_a) > 1e-30:
+            crossing = (base_a - base_b) / (slope_b - slope_a)
+            if 0 < crossing < 1e9:
+                points += [int(crossing) + d for d in (-n, -1, 0, 1, n) if crossing + d >= 0]
+        for context in points:
+            exact = step(n, context)
+            modelled = max(base_a + slope_a * context, base_b + slope_b * context)
+            if abs(modelled - exact) > 1e-9 * exact:
+                return None
+        return base_a, slope_a, base_b, slope_b
+
     def exposed_transfer_s(self, prompt_tokens: int, compute_s: float) -> float:
         """Seconds from the end of prefill compute until the last layer's KV has landed."""
         total_s = self.perf.kv_transfer_time_s(prompt_tokens)

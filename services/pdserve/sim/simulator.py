@@ -255,9 +255,10 @@ class Simulator:
         if self.model.num_blocks > _MAX_FREE:
             raise CapacityError(f"instances with over {_MAX_FREE} KV blocks are not supported")
         self._block_size = self.model.block_size_tokens
-        # Hot-path timing functions, bound once.
+        # Hot-path timing functions, bound once; decode step lines per batch size.
         self._prefill_s = self.model.perf.prefill_time_s
         self._step_s = self.model.perf.decode_step_time_s
+        self._lines: dict[int, tuple[float, float, float, float] | None] = {}
         self._lru_cap = cluster.prefix_cache_blocks or self.model.num_blocks
         self._has_hashes = trace.has_prefix_hashes
         self.now = 0.0
@@ -284,7 +285,9 @@ class Simulator:
         self._num_alive = 0
         self._gpu_s = 0.0
         self._used_blocks = 0
+        self._used_t = 0.0
         self._used_int = 0.0
+        self._used_total_int = 0.0
         self._serving_blocks = 0
         self._serving_int = 0.0
         self._num_prefill_ready = 0
@@ -444,9 +447,8 @@ class Simulator:
         req.num_blocks = num_blocks
         req.num_attempts += 1
         req.dec = dec
-        self._set_ticket(req, _OPEN)
-        self._advance(self.now)
-        self._used_blocks += num_blocks
+        req.ticket = _OPEN  # a new ticket: no transition to count
+        self._change_used(num_blocks)
         dec.free -= num_blocks
         dec.assigned.add(req)
         self._update_decode(dec)
@@ -507,7 +509,11 @@ class Simulator:
         if tail:
             chosen.append(tail)
         by_rank = self._d_by_rank
-        return [self._decode_candidate(by_rank[key & _IDX_MASK]) for key in chosen]
+        candidates = []
+        for key in chosen:
+            dec = by_rank[key & _IDX_MASK]
+            candidates.append(dec.candidate or self._decode_candidate(dec))
+        return candidates
 
     def _decode_candidate(self, dec: _Decode) -> DecodeCandidate:
         candidate = dec.candidate
@@ -797,24 +803,41 @@ class Simulator:
 
         Nothing else changes the batch before then unless a sequence arrives to join it or a
         local prefill arrives (``_cut_run`` then ends the run at the next step boundary). Step
-        ``i`` reads ``n`` more context tokens than step ``i - 1``; the step time is convex and
-        piecewise linear in context (a roofline maximum), so when it equals its chord at an
-        interior step it is linear over the run and the steps sum in closed form; otherwise
-        (a roofline regime change inside the run) the run is one step.
+        ``i`` reads ``n`` more context tokens than step ``i - 1``. For a batch of ``n`` the
+        step time is the larger of two lines in the context length (the roofline's compute and
+        memory bounds; ``InstanceModel.decode_step_lines``, checked against the performance
+        model), so while one line dominates the steps sum in closed form; a run in which the
+        dominant line changes is cut to one step. Without lines (a performance model of
+        another shape), three calls check that the run is linear.
         """
         n = dec.n_batch
         context = dec.ctx_base + n * dec.steps
-        step_s = self._step_s
-        first_s = step_s(n, context)
         num_steps = dec.heap[0][0] - dec.steps
+        lines = self._lines.get(n, False)
+        if lines is False:
+            lines = self._lines[n] = self.model.decode_step_lines(n)
         delta_s = 0.0
-        if num_steps > 1:
-            last_s = step_s(n, context + (num_steps - 1) * n)
-            delta_s = (last_s - first_s) / (num_steps - 1)
-            mid = num_steps // 2
-            if num_steps > 2 and abs(step_s(n, context + mid * n) - (first_s + mid * delta_s)) > (
-                    1e-9 * last_s):
-                num_steps = 1
+        if lines is not None:  # step time = the larger of two lines in the context length
+            base_a, slope_a, base_b, slope_b = lines
+            line_a = base_a + slope_a * context
+            line_b = base_b + slope_b * context
+            first_s = line_a if line_a >= line_b else line_b
+            if num_steps > 1:
+                end = context + (num_steps - 1) * n
+                if (line_a >= line_b) == (base_a + slope_a * end >= base_b + slope_b * end):
+                    delta_s = (slope_a if line_a >= line_b else slope_b) * n
+                else:
+                    num_steps = 1  # the roofline regime changes inside the run
+        else:
+            step_s = self._step_s
+            first_s = step_s(n, context)
+            if num_steps > 1:
+                last_s = step_s(n, context + (num_steps - 1) * n)
+                delta_s = (last_s - first_s) / (num_steps - 1)
+                mid = num_steps // 2
+                if num_steps > 2 and abs(step_s(n, context + mid * n)
+                                         - (first_s + mid * delta_s)) > 1e-9 * last_s:
+                    num_steps = 1
         dec.step_kind = _STEP_DECODE
         dec.busy = True
         dec.run_steps = num_steps
@@ -856,8 +879,7 @@ class Simulator:
     def _finish(self, req: _Req, dec: _Decode) -> None:
         """``req`` produced its last token on ``dec``: record it and free its blocks."""
         now = self.now
-        self._advance(now)
-        self._used_blocks -= req.num_blocks
+        self._change_used(-req.num_blocks)
         dec.free += req.num_blocks
         if req.output > 1:
             dec.running -= 1
@@ -991,7 +1013,7 @@ class Simulator:
         victims = sorted(inst.assigned, key=lambda r: r.i)
         inst.assigned.clear()
         if isinstance(inst, _Decode):
-            self._used_blocks -= inst.total - inst.free
+            self._change_used(inst.free - inst.total)
             inst.free = inst.total
             inst.heap.clear()
             inst.waiting.clear()
@@ -1026,8 +1048,7 @@ class Simulator:
         dec, pre = req.dec, req.pre
         req.dec = req.pre = None
         if dec is not None and dec is not failed:
-            self._advance(self.now)
-            self._used_blocks -= req.num_blocks
+            self._change_used(-req.num_blocks)
             dec.free += req.num_blocks
             dec.assigned.discard(req)
             self._update_decode(dec)
@@ -1140,16 +1161,27 @@ class Simulator:
 
     # -- bookkeeping --------------------------------------------------------------------------
 
+    def _change_used(self, num_blocks: int) -> None:
+        """Reserve (> 0) or release (< 0) decode blocks, integrating the count over time."""
+        now = self.now
+        dt = now - self._used_t
+        if dt > 0:
+            used_s = self._used_blocks * dt
+            self._used_int += used_s
+            self._used_total_int += used_s
+            self._used_t = now
+        self._used_blocks += num_blocks
+
     def _advance(self, now: float) -> None:
-        """Integrate the time-weighted counters up to ``now``."""
+        """Integrate the lifecycle counters (instances alive, serving) up to ``now``; they
+        change only when an instance launches, becomes ready, drains, leaves or fails."""
+        self._change_used(0)
         dt = now - self._last_t
         if dt > 0:
             self._gpu_s += self._num_alive * dt
-            self._used_int += self._used_blocks * dt
             self._serving_int += self._serving_blocks * dt
             self._prefill_ready_int += self._num_prefill_ready * dt
             totals = self._totals
-            totals[0] += self._used_blocks * dt
             totals[1] += self._serving_blocks * dt
             totals[2] += self._num_prefill_ready * dt
             self._last_t = now
@@ -1197,7 +1229,8 @@ class Simulator:
             wall_s=wall_s, extra=self._utilisation(), **res)
 
     def _utilisation(self) -> dict[str, float]:
-        used, serving, prefill_ready = self._totals
+        _, serving, prefill_ready = self._totals
+        used = self._used_total_int
         # Time-integral of running sequences = the sum of each one's time from first token to
         # its end (finish or failure).
         ttft = np.frombuffer(self._res_ttft, dtype=np.float64)
