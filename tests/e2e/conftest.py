@@ -343,14 +343,32 @@ def trace_collector() -> Iterator[TraceCollector]:
 
 @pytest.fixture(scope="module")
 def e2e_redis_url(redis_url: str) -> Iterator[str]:
-    """``redis_url`` with the logical database switched to ``E2E_REDIS_DB``, flushed before and
-    after (only that database)."""
-    url = urllib.parse.urlsplit(redis_url)._replace(path=f"/{E2E_REDIS_DB}").geturl()
+    """``redis_url`` switched to a logical database this module owns, flushed before and after
+    (only that database). The database is leased through a lock key in ``redis_url``'s own
+    database, so test runs that share one Redis (several developers, or CI beside a session)
+    never share a database."""
+    base = urllib.parse.urlsplit(redis_url)
+    lock_client = redis.Redis.from_url(redis_url)
+    owner = uuid.uuid4().hex
+    chosen = None
+    for db in range(E2E_REDIS_DB, E2E_REDIS_DB - 12, -1):  # 13, 12, ... 2
+        if lock_client.set(f"pdserve-e2e:db-lease:{db}", owner, nx=True, ex=1800):
+            chosen = db
+            break
+    if chosen is None:
+        lock_client.close()
+        pytest.fail("no free logical Redis database for e2e tests (all leased)")
+    url = base._replace(path=f"/{chosen}").geturl()
     client = redis.Redis.from_url(url)
     client.flushdb()
-    yield url
-    client.flushdb()
-    client.close()
+    try:
+        yield url
+    finally:
+        client.flushdb()
+        client.close()
+        if lock_client.get(f"pdserve-e2e:db-lease:{chosen}") == owner.encode():
+            lock_client.delete(f"pdserve-e2e:db-lease:{chosen}")
+        lock_client.close()
 
 
 @pytest.fixture(scope="module")

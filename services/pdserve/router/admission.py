@@ -474,6 +474,8 @@ def snapshot_of(worker: WorkerView, num_prefill_tokens: int) -> WorkerSnapshot:
         worker_id=worker.worker_id,
         num_queued_prefill_tokens=worker.record.load.num_queued_prefill_tokens,
         report_s=worker.record.last_heartbeat_s,
-        prior_tokens_per_s=prior_tokens_per_s(info.model or worker.record.deployment, info.gpu,
-                                              info.tp_size, num_prefill_tokens),
+        # The worker's own figure when it gives one (it knows its engine and speed), else the
+        # performance model's for its model, GPU and TP degree.
+        prior_tokens_per_s=info.prefill_tokens_per_s or prior_tokens_per_s(
+            info.model or worker.record.deployment, info.gpu, info.tp_size, num_prefill_tokens),
     )

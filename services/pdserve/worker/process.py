@@ -117,7 +117,17 @@ class WorkerProcess:
                                   block_size_tokens=layout.block_size_tokens,
                                   block_nbytes=layout.block_nbytes),
             kv_transports=[self.settings.transport],
+            prefill_tokens_per_s=self.prefill_tokens_per_s(),
         )
+
+    def prefill_tokens_per_s(self) -> float:
+        """Measured from this worker's recent prefills when it has any, else the engine's own
+        estimate (0 when it has none)."""
+        points = [(n, s) for n, _, s, is_prefill in self.agent.profile if is_prefill and s > 0]
+        if points:
+            return sum(n for n, _ in points) / sum(s for _, s in points)
+        estimate = getattr(self.engine, "estimated_prefill_tokens_per_s", None)
+        return float(estimate()) if callable(estimate) else 0.0
 
     @property
     def advertise_host(self) -> str:

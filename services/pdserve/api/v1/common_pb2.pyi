@@ -107,7 +107,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "deployment", "role", "state", "address", "kv_address", "load", "last_heartbeat_unix_ms", "engine", "gpu", "tp_size", "kv_layout", "kv_transports", "model", "num_gpus")
+    __slots__ = ("worker_id", "deployment", "role", "state", "address", "kv_address", "load", "last_heartbeat_unix_ms", "engine", "gpu", "tp_size", "kv_layout", "kv_transports", "model", "num_gpus", "prefill_tokens_per_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class WorkerInfo(_message.Message):
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_GPUS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     deployment: str
     role: WorkerRole
@@ -138,7 +139,8 @@ class WorkerInfo(_message.Message):
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
     model: str
     num_gpus: int
-    def __init__(self, worker_id: _Optional[str] = ..., deployment: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., engine: _Optional[str] = ..., gpu: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., num_gpus: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., deployment: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., engine: _Optional[str] = ..., gpu: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., num_gpus: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "seed", "ignore_eos", "stop")

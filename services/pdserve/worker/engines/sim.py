@@ -211,6 +211,10 @@ class SimEngine:
         ).digest()
         return _ALPHABET[int.from_bytes(digest, "little") % len(_ALPHABET)]
 
+    def estimated_prefill_tokens_per_s(self, num_tokens: int = 1024) -> float:
+        """Prefill throughput in wall-clock tokens per second (the roofline, sped up)."""
+        return num_tokens / max(1e-9, self.perf.prefill_time_s([num_tokens]) / self.config.speedup)
+
     # -- Engine -------------------------------------------------------------------------------
 
     def prefill_layers(self, seq: Sequence) -> Iterator[int]:
