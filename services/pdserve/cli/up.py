@@ -46,6 +46,7 @@ class UpSettings(CommonSettings):
     speedup: float = setting(1.0, parser=float_range(1e-3, 1e12), help="Sim speed-up of the workers.")
     cold_start_s: float = setting(0.0, parser=DURATION_S, help="Simulated cold start of each worker.")
     transport: str = setting("tcp", help="KV transport between workers.")
+    engine: str = setting("sim", help="Engine of the workers: sim (roofline timing) or tiny (a real small transformer on the CPU; its KV and tokens are real).")
     join_token: str = setting("", help="Worker join token; empty = a fresh random one.", is_secret=True)
     worker_tls_cert_path: Path | None = setting(None, help="With TLS: the workers' certificate (default worker.pem beside tls_cert_path, as pdserve certs writes it).")
     worker_tls_key_path: Path | None = setting(None, help="With TLS: the key of worker_tls_cert_path (default worker.key beside tls_cert_path).")
@@ -184,7 +185,7 @@ async def _up(settings: UpSettings) -> int:
         "--pool-address", address, "--coordinator-address", address, "--model", settings.model,
         "--gpu", settings.gpu, "--speedup", str(settings.speedup),
         "--cold-start-s", str(settings.cold_start_s), "--transport", settings.transport,
-        "--max-num-blocks", str(settings.max_num_blocks), "--log-format", "text",
+        "--engine", settings.engine, "--max-num-blocks", str(settings.max_num_blocks), "--log-format", "text",
         "--log-level", "WARNING", "--metrics-port", "-1",
     ]
     for pool in pools.values():
