@@ -297,3 +297,16 @@ def test_instance_model_matches_the_catalog() -> None:
     assert big.exposed_transfer_s(2000, compute_s) == pytest.approx(
         big.perf.kv_transfer_time_s(2000) / 80)
     assert big.exposed_transfer_s(2000, 0.0) == pytest.approx(big.perf.kv_transfer_time_s(2000))
+
+
+def test_a_fixed_max_tokens_reserves_for_it_and_caps_the_output() -> None:
+    trace = synthetic_trace(400, 10.0, seed=14, prompt=LengthSpec(100), output=LengthSpec(300, 1.0))
+    capped = run(trace, SimConfig(cluster(2, 2), max_tokens=256))
+    assert capped.output_tokens.max() == 256
+    assert np.array_equal(capped.output_tokens, np.minimum(trace.output_tokens, 256))
+    assert_conserved(capped)
+    # The same generation with each request reserving only its own length uses less KV.
+    same_lengths = Trace(trace.arrival_s, trace.prompt_tokens, capped.output_tokens)
+    exact = run(same_lengths, SimConfig(cluster(2, 2)))
+    assert np.allclose(exact.tpot_s, capped.tpot_s, rtol=0.2)
+    assert capped.extra["decode_kv_used_fraction"] > 1.1 * exact.extra["decode_kv_used_fraction"]

@@ -77,6 +77,13 @@ class SimResult:
     ``{prefill,decode}_{ready,starting,draining}`` counts, ``num_queued`` (router queue) and
     ``kv_used_fraction`` (reserved blocks / blocks of serving decode instances).
     ``ticket_transitions`` counts ticket moves ``(from, to) -> n``, each checked legal.
+    Rejected and failed requests have ``finish_s`` (when they ended) and, if they had a first
+    token, ``ttft_s``; their other timings are 0. ``extra`` holds whole-run figures:
+    ``prefill_busy_fraction`` (prefill compute time / ready prefill instance time),
+    ``decode_kv_used_fraction`` (reserved / serving decode blocks, time-weighted),
+    ``decode_batch_slot_fraction`` and ``mean_running_per_decode`` (sequences past their
+    first token per serving decode instance), ``prefill_busy_s``, ``decode_instance_s``,
+    ``prefill_instance_s`` and ``cpu_s`` (the process's CPU time for the run).
     """
 
     config: SimConfig

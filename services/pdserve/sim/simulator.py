@@ -19,7 +19,7 @@ The decisions are the live services' own policy objects:
 
 Candidate shortlist. Passing every ready instance to ``route`` costs O(instances) per request,
 too slow at thousands of GPUs. All simulated instances are identical, so a candidate that has
-no more free blocks and no fewer running sequences than another (decode), or no more queued
+no more free blocks and no fewer running sequences than another (decode), or no fewer queued
 tokens and no more cached prefix than another (prefill), is never a better choice for a policy
 that prefers room, low pressure, short queues and cache hits. The simulator passes only the
 candidates no other dominates; of a group of exact ties (identical in everything ``route``
@@ -91,7 +91,8 @@ _EV_PREFILL_DONE, _EV_KV_LANDED, _EV_DECODE_STEP, _EV_READY, _EV_FAIL, _EV_SCALE
 # Decode step kinds.
 _STEP_DECODE, _STEP_LOCAL = 0, 1
 
-# Candidate sort keys pack (state, index) into one int64: see _decode_key / _prefill_key.
+# Shortlist keys pack an instance's state and its rank by worker id into one int (see
+# _update_decode / _update_prefill), so sorting keys sorts by state, then worker id.
 _IDX_BITS = 20
 _IDX_MASK = (1 << _IDX_BITS) - 1
 _RUN_SHIFT = _IDX_BITS
@@ -99,7 +100,6 @@ _FREE_SHIFT = 2 * _IDX_BITS
 _MAX_FREE = (1 << 22) - 1
 _QUEUED_CAP = (1 << 40) - 1
 _CHUNK = 1 << 14
-_INF = float("inf")
 
 
 class _Req:
@@ -377,6 +377,8 @@ class Simulator:
                             self._drain_queue()
                 self.now = arrival
                 output = outputs[j]
+                if max_tokens:  # the client's limit; the trace's length is where it would stop
+                    output = min(output, max_tokens)
                 rr = RouteRequest(prompts[j], max_tokens or output)
                 req = _Req(start + j, arrival, prompts[j], output, rr,
                            num_blocks_to_reserve(rr, block_size, routing))
@@ -1211,7 +1213,8 @@ class Simulator:
         return SimResult(
             config=self.config,
             arrival_s=trace.arrival_s, prompt_tokens=trace.prompt_tokens,
-            output_tokens=trace.output_tokens,
+            output_tokens=(np.minimum(trace.output_tokens, self.config.max_tokens)
+                           if self.config.max_tokens else trace.output_tokens),
             status=np.frombuffer(self._res_status, dtype=np.int8).copy(),
             is_local_prefill=np.frombuffer(self._res_local, dtype=np.int8).astype(bool),
             num_attempts=np.frombuffer(self._res_attempts, dtype=np.int8).copy(),
@@ -1235,7 +1238,10 @@ class Simulator:
         # its end (finish or failure).
         ttft = np.frombuffer(self._res_ttft, dtype=np.float64)
         finish = np.frombuffer(self._res_finish, dtype=np.float64)
-        started = (ttft > 0) & (self.trace.output_tokens > 1)
+        outputs = self.trace.output_tokens
+        if self.config.max_tokens:
+            outputs = np.minimum(outputs, self.config.max_tokens)
+        started = (ttft > 0) & (outputs > 1)
         running = float(np.sum(finish[started] - self.trace.arrival_s[started] - ttft[started]))
         decode_ready_s = serving / self.model.num_blocks if self.model.num_blocks else 0.0
         slots = decode_ready_s * self.config.cluster.max_batch_size
