@@ -32,6 +32,7 @@ import grpc
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.cli.audit import AuditReport, audit
+from pdserve.common.grpc_client import channel_target
 
 from helpers.private_redis import free_port
 
@@ -65,6 +66,7 @@ class Stack:
     coordinator_ports: list[int]
     prefill_pool_ports: list[int]
     decode_pool_ports: list[int]
+    router_ports: list[int] = field(default_factory=list)
     pool_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = WORKER_ARGS
@@ -89,7 +91,8 @@ class Stack:
 
     @property
     def router_addresses(self) -> list[str]:
-        return [r.grpc_address for r in self.routers]
+        """Fixed: a restarted router answers at its old address."""
+        return [f"127.0.0.1:{port}" for port in self.router_ports]
 
     @property
     def workers(self) -> list[ServiceProcess]:
@@ -110,9 +113,12 @@ class Stack:
             *self.pool_args], {**self.env, "PDSERVE_JOIN_TOKEN": self.join_token}))
 
     def start_router(self, index: int) -> ServiceProcess:
+        while len(self.router_ports) <= index:
+            self.router_ports.append(free_port())
         return self._start(ServiceProcess(f"router-{index}", [
             "serve", "router", "--coordinator-address", self.coordinator_address,
-            "--http-port", "-1", *self.router_args], self.env))
+            "--grpc-port", str(self.router_ports[index]), "--http-port", "-1",
+            *self.router_args], self.env))
 
     def start_worker(self, role: str, name: str, extra_env: dict[str, str] | None = None,
                      extra_args: tuple[str, ...] = ()) -> ServiceProcess:
@@ -177,7 +183,8 @@ def ready_counts(router_address: str) -> tuple[int, int]:
 
 def ready_in_store(pool_address: str) -> int:
     """Workers READY in the shared store, as a pool manager lists them."""
-    with grpc.insecure_channel(pool_address) as channel:
+    target, options = channel_target(pool_address)
+    with grpc.insecure_channel(target, options=options) as channel:
         workers = pool_pb2_grpc.PoolServiceStub(channel).ListWorkers(
             pool_pb2.ListWorkersRequest(deployment=MODEL), timeout=5).workers
     return sum(1 for w in workers if w.state == pb.WORKER_STATE_READY)
@@ -198,8 +205,14 @@ def wait_router_sees(router: ServiceProcess, num_prefill: int, num_decode: int,
                      timeout_s: float = 30.0) -> None:
     is_seen = wait_until(lambda: ready_counts(router.grpc_address) == (num_prefill, num_decode),
                          timeout_s)
-    assert is_seen, (f"{router.name} does not see {num_prefill}/{num_decode} ready workers "
-                     f"within {timeout_s:.0f}s\n{router.describe()}")
+    if not is_seen:
+        try:
+            seen = ready_counts(router.grpc_address)
+        except grpc.RpcError as exc:
+            seen = exc  # type: ignore[assignment]
+        raise AssertionError(f"{router.name} does not see {num_prefill}/{num_decode} ready "
+                             f"workers within {timeout_s:.0f}s (sees {seen})\n"
+                             f"{router.describe()}")
 
 
 # -- load ---------------------------------------------------------------------------------------
@@ -341,7 +354,8 @@ async def settled_idle_ledgers(stack: Stack, timeout_s: float = 20.0) -> list[st
     deadline = time.monotonic() + timeout_s
     while True:
         problems = []
-        async with grpc.aio.insecure_channel(stack.coordinator_address) as channel:
+        target, options = channel_target(stack.coordinator_address)
+        async with grpc.aio.insecure_channel(target, options=options) as channel:
             ledger = await kv_transfer_pb2_grpc.KvTransferServiceStub(channel).GetLedger(
                 kv_transfer_pb2.GetLedgerRequest(deployment=MODEL), timeout=10)
         for entry in ledger.entries:

@@ -4,6 +4,7 @@ the autoscaler's live loop (``governor.CapacityGovernor``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from pdserve.capacity.governor import (
 )
 from pdserve.capacity.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.leadership import LeaderElector, Lease
 from pdserve.common.service_settings import GovernorSettings
 from pdserve.db.repository import Repository
 from pdserve.state.interfaces import StateBackend
@@ -62,13 +64,16 @@ def deployment_specs(settings: GovernorSettings,
 class GovernorApp:
     def __init__(self, settings: GovernorSettings, durable: object = None,
                  backend: StateBackend | None = None, *,
-                 target_setter: TargetSetter | None = None, clock: Clock = time.time) -> None:
+                 target_setter: TargetSetter | None = None, clock: Clock = time.time,
+                 lease: Lease | None = None, lease_ttl_s: float = 5.0) -> None:
         """``backend``: the hot state shared with the pool managers (``pdserve up``); by
         default the governor opens its own from ``settings.redis_url``. ``target_setter``:
         how the autoscaler sets pool targets (the in-process managers of ``pdserve up``); by
         default the pool managers' gRPC at ``prefill_pool_address``/``decode_pool_address``,
-        and recommend-only when those are not set."""
+        and recommend-only when those are not set. ``lease``: the autoscaler runs only while
+        this replica holds it (active/standby; ``pdserve.common.leadership``); None = always."""
         self.settings = settings
+        self.elector = LeaderElector(lease, lease_ttl_s) if lease is not None else None
         self.servicer = CapacityGovernorServicer(clock=clock)
         repository: Repository | None = getattr(durable, "repository", None)
         # Expert placement (EPLB): loads from the pools' hot state, versions in the durable store.
@@ -107,7 +112,34 @@ class GovernorApp:
                         WorkerRole.DECODE: open_channel(settings.decode_pool_address, settings)}
             self._channels = list(channels.values())
             self.governor.target_setter = GrpcTargetSetter(channels)
-        self._task = asyncio.create_task(self.governor.run(self._stop))
+        if self.elector is None:
+            self._task = asyncio.create_task(self.governor.run(self._stop))
+        else:
+            self._task = asyncio.create_task(self._run_while_leader(self.elector))
+
+    async def _run_while_leader(self, elector: LeaderElector) -> None:
+        """Active/standby: the autoscaling loop runs while this replica holds the lease, and
+        stops at once when it loses it (a standby takes over after the lease lapses)."""
+        loop_stop: asyncio.Event | None = None
+        loop_task: asyncio.Task[None] | None = None
+        while not self._stop.is_set():
+            is_leader = await elector.step()
+            if is_leader and loop_task is None:
+                loop_stop = asyncio.Event()
+                loop_task = asyncio.create_task(self.governor.run(loop_stop))
+            elif not is_leader and loop_task is not None:
+                assert loop_stop is not None
+                loop_stop.set()
+                await loop_task
+                loop_task = None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), elector.ttl_s / 3)
+        if loop_task is not None and loop_stop is not None:
+            loop_stop.set()
+            await loop_task
+        if elector.token is not None:
+            with contextlib.suppress(Exception):
+                await elector.lease.release(elector.token)
 
     async def close(self) -> None:
         self._stop.set()

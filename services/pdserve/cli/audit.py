@@ -164,8 +164,13 @@ async def gather(coordinator_address: str, pool_addresses: list[str], deployment
     from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, pool_pb2, pool_pb2_grpc
     from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
     from pdserve.common.convert import token_from_pb
+    from pdserve.common.grpc_client import channel_target
 
-    async with grpc.aio.insecure_channel(coordinator_address) as channel:
+    def insecure(address: str) -> grpc.aio.Channel:
+        target, options = channel_target(address)  # replica lists balance over the replicas
+        return grpc.aio.insecure_channel(target, options=options or None)
+
+    async with insecure(coordinator_address) as channel:
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
         ledger = await stub.GetLedger(kv_transfer_pb2.GetLedgerRequest(deployment=deployment),
                                       timeout=timeout_s)
@@ -182,7 +187,7 @@ async def gather(coordinator_address: str, pool_addresses: list[str], deployment
                for e in ledger.entries]
     infos = {}
     for address in pool_addresses:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with insecure(address) as channel:
             response = await pool_pb2_grpc.PoolServiceStub(channel).ListWorkers(
                 pool_pb2.ListWorkersRequest(deployment=deployment), timeout=timeout_s)
         for info in response.workers:

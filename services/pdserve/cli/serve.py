@@ -99,8 +99,14 @@ async def _serve_control_plane(service: str, settings: object, stop: asyncio.Eve
         from pdserve.pool.provisioner import LocalProcessProvisioner
 
         provisioner = LocalProcessProvisioner() if settings.is_provisioning else None  # type: ignore[attr-defined]
+        lease = None
+        if provisioner is not None:  # replicas of a pool: one actuates at a time
+            from pdserve.common.leadership import holder_id, open_lease
+
+            lease = open_lease(stores.redis_client, f"pool-actuation:{settings.role}",  # type: ignore[attr-defined]
+                               holder_id())
         app = PoolApp(settings, stores.backend, stores.prefix_index, time.time, provisioner,  # type: ignore[arg-type]
-                      LifecycleSinkAdapter(durable) if durable else None)
+                      LifecycleSinkAdapter(durable) if durable else None, lease)
     elif service == "router":
         from pdserve.common.grpc_client import open_channel
         from pdserve.router.app import RouterApp
@@ -111,8 +117,10 @@ async def _serve_control_plane(service: str, settings: object, stop: asyncio.Eve
                         WindowWriterAdapter(durable) if durable else None)
     elif service == "governor":
         from pdserve.capacity.app import GovernorApp
+        from pdserve.common.leadership import holder_id, open_lease
 
-        app = GovernorApp(settings, durable)  # type: ignore[arg-type]
+        app = GovernorApp(settings, durable,  # type: ignore[arg-type]
+                          lease=open_lease(stores.redis_client, "governor", holder_id()))
     else:  # pragma: no cover - argparse restricts the choices
         raise SystemExit(f"unknown service {service}")
     app.register(server)  # type: ignore[attr-defined]

@@ -16,8 +16,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.common.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    StaleTokenError,
+    UnavailableError,
+)
 from pdserve.kv_transfer import metrics
-from pdserve.common.errors import InvalidArgumentError, StaleTokenError, UnavailableError
 from pdserve.state.interfaces import TicketLedger, WorkerStore
 from pdserve.state.types import (
     Clock,
@@ -209,7 +214,13 @@ class KvTransferCoordinator:
         if worker_id:
             return [await self._ledger.snapshot(worker_id)]
         workers = await self._workers.list(deployment, WorkerRole.DECODE)
-        return [await self._ledger.snapshot(w.worker_id) for w in workers]
+        snapshots = []
+        for worker in workers:
+            try:
+                snapshots.append(await self._ledger.snapshot(worker.worker_id))
+            except NotFoundError:
+                continue  # a failed or departing worker whose ledger was dropped already
+        return snapshots
 
     async def reap_once(self) -> list[Ticket]:
         expired = await self._ledger.reap_expired()
@@ -224,7 +235,7 @@ class KvTransferCoordinator:
         while not stop.is_set():
             try:
                 await self.reap_once()
-            except Exception:  # noqa: BLE001 - the reaper must outlive store hiccups
+            except Exception:
                 logger.exception("reaper pass failed")
             try:
                 await asyncio.wait_for(stop.wait(), self.policy.reap_interval_s)
@@ -253,5 +264,5 @@ class KvTransferCoordinator:
     async def _notify(self, ticket: Ticket) -> None:
         try:
             await self._notifier.ticket_ended(ticket)
-        except Exception:  # noqa: BLE001 - workers also learn through their own leases
+        except Exception:
             logger.warning("could not notify workers of ticket %s", ticket.token, exc_info=True)

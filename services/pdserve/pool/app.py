@@ -7,6 +7,7 @@ import shlex
 
 from pdserve.api.v1 import pool_pb2_grpc
 from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.leadership import LeaderElector, Lease
 from pdserve.common.service_settings import PoolSettings
 from pdserve.pool.manager import LifecycleSink, PoolManager, PoolPolicy
 from pdserve.pool.provisioner import Provisioner
@@ -19,7 +20,10 @@ from pdserve.state.types import Clock
 class PoolApp:
     def __init__(self, settings: PoolSettings, backend: StateBackend, prefix_index: PrefixIndex,
                  clock: Clock, provisioner: Provisioner | None = None,
-                 lifecycle_sink: LifecycleSink | None = None) -> None:
+                 lifecycle_sink: LifecycleSink | None = None,
+                 actuation_lease: Lease | None = None) -> None:
+        """``actuation_lease``: replicas of one pool share it, and only its holder actuates
+        (``PoolManager.actuation_elector``); None = this manager always actuates."""
         self.settings = settings
         worker_args = tuple(shlex.split(settings.worker_args))
         policy = PoolPolicy(
@@ -37,6 +41,10 @@ class PoolApp:
         self.servicer = PoolServicer({settings.role: self.manager}, backend.workers, backend.events)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._elector_task: asyncio.Task[None] | None = None
+        if actuation_lease is not None:
+            self.manager.actuation_elector = LeaderElector(
+                actuation_lease, ttl_s=max(3.0, 3 * settings.heartbeat_interval_s))
 
     def register(self, server: GrpcServer) -> None:
         server.add_servicer(SERVICE_NAME, pool_pb2_grpc.add_PoolServiceServicer_to_server,
@@ -46,10 +54,15 @@ class PoolApp:
         if self.settings.initial_target_size >= 0:
             for deployment in self.settings.deployments:
                 await self.manager.set_target(deployment, self.settings.initial_target_size)
+        if self.manager.actuation_elector is not None:
+            self._elector_task = asyncio.create_task(
+                self.manager.actuation_elector.run(self._stop))
         self._task = asyncio.create_task(self.manager.run(self._stop, self.settings.deployments))
 
     async def close(self) -> None:
         self._stop.set()
         if self._task is not None:
             await self._task
+        if self._elector_task is not None:
+            await self._elector_task
         await self.manager.close()

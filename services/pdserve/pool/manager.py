@@ -21,6 +21,7 @@ from pdserve.common.errors import (
     NotFoundError,
     UnauthenticatedError,
 )
+from pdserve.common.leadership import LeaderElector
 from pdserve.pool.lifecycle import is_legal
 from pdserve.pool.metrics import observe_pool
 from pdserve.pool.provisioner import Provisioner, WorkerLaunch
@@ -347,7 +348,7 @@ class PoolManager:
         while not stop.is_set():
             try:
                 await self.check_health()
-                if loop.time() >= next_actuation:
+                if loop.time() >= next_actuation and self._may_actuate():
                     await self.actuate(deployments)
                     next_actuation = loop.time() + self.policy.actuate_interval_s
             except Exception:  # noqa: BLE001 - keep managing through store hiccups
@@ -356,6 +357,13 @@ class PoolManager:
                 await asyncio.wait_for(stop.wait(), self.policy.health_interval_s)
             except TimeoutError:
                 pass
+
+    actuation_elector: LeaderElector | None = None
+    """When set, only the replica holding its lease actuates (starts, drains and stops
+    workers); health checks and membership run on every replica."""
+
+    def _may_actuate(self) -> bool:
+        return self.actuation_elector is None or self.actuation_elector.is_leader
 
     async def close(self) -> None:
         if self._provisioner is not None:

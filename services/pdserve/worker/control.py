@@ -8,10 +8,9 @@ import grpc
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.api.v1 import kv_transfer_pb2_grpc as kv_grpc
-from pdserve.api.v1 import pool_pb2
-from pdserve.api.v1 import pool_pb2_grpc
+from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
 from pdserve.common.convert import load_to_pb, token_to_pb, worker_state_to_pb
-from pdserve.common.grpc_client import error_from_rpc_error
+from pdserve.common.grpc_client import Backoff, call_with_retry, error_from_rpc_error
 from pdserve.state.types import FencingToken, TicketState, WorkerLoad, WorkerState
 from pdserve.worker.agent import TransferTiming
 from pdserve.worker.servicer import stats_to_pb
@@ -46,10 +45,12 @@ class GrpcControlPlane:
         await self._call(self._stub.ReleaseTicket, kv_pb.ReleaseTicketRequest(token=token_to_pb(token)))
 
     async def _call(self, method, request) -> None:  # type: ignore[no-untyped-def]
-        try:
-            await method(request, timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            raise error_from_rpc_error(exc) from None
+        """Progress reports, renewals and releases are idempotent at the coordinator, so a call
+        that failed UNAVAILABLE (a coordinator replica died, its store restarted) is repeated,
+        on whichever replica answers, within the deadline."""
+        await call_with_retry(lambda timeout_s: method(request, timeout=timeout_s),
+                              deadline_s=self._timeout_s, retries=4,
+                              backoff=Backoff(base_s=0.1, max_s=1.0))
 
 
 class PoolClient:
