@@ -90,7 +90,7 @@ def assert_clean(status: int, body: bytes, content_type: str, what: Any) -> None
         json.loads(body)
 
 
-FUZZ = settings(max_examples=150, deadline=None,
+FUZZ = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
@@ -103,7 +103,7 @@ def test_fields_of_any_type_get_clean_answers(stack: InProcessStack, endpoint: s
     assert_clean(*_request(stack, "POST", endpoint, json.dumps(body).encode()), body)
 
 
-@settings(FUZZ, max_examples=80)
+@settings(FUZZ, max_examples=60)
 @given(endpoint=st.sampled_from(ENDPOINTS), body=json_values)
 def test_random_json_gets_clean_answers(stack: InProcessStack, endpoint: str, body: Any) -> None:
     assert_clean(*_request(stack, "POST", endpoint, json.dumps(body).encode()), body)
