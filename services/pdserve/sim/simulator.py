@@ -823,7 +823,7 @@ class Simulator:
             base_a, slope_a, base_b, slope_b = lines
             line_a = base_a + slope_a * context
             line_b = base_b + slope_b * context
-            first_s = line_a if line_a >= line_b else line_b
+            first_s = line_a if line_a >= line_b else line_b  # noqa: FURB136 - hot path
             if num_steps > 1:
                 end = context + (num_steps - 1) * n
                 if (line_a >= line_b) == (base_a + slope_a * end >= base_b + slope_b * end):
