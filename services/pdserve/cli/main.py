@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenizer": ("pdserve.cli.tokenizer_cmd", "export the built-in tokenizer as a folder"),
     "capacity": ("pdserve.cli.capacity_cmd", "KV-cache capacity per TP size: blocks, tokens, concurrency for a length mix"),
     "plan": ("pdserve.cli.plan", "prefill and decode instance counts for a demand and SLO, with a P:D sweep plot"),
+    "simulate": ("pdserve.cli.simulate", "replay a trace through a simulated cluster running the live policies"),
     "experts": ("pdserve.cli.experts", "per-GPU expert load before/after a placement: table and heat map"),
     "certs": ("pdserve.cli.certs", "make a development CA and mutual-TLS certificates"),
 }
