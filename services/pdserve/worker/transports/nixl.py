@@ -13,10 +13,14 @@ Roles and rendezvous:
   layer buffer. ``offer_layer`` sends LAYER: ``(layer, dst block ids, src block ids)`` — an
   announcement, no KV. ``finish`` sends DONE and waits for the ACK that says every layer is in.
 - The receiver runs ``ReceiverTickets.admit_layer`` on each LAYER (fencing token owns the blocks,
-  ticket expected and live, layer not yet received) and only then issues one NIXL READ from the
-  sender's blocks into its own, drives it to completion, and marks the layer landed. Consecutive
-  ids on both sides become one descriptor. NIXL itself refuses a READ outside the memory the
-  sender registered.
+  ticket expected and live, layer not yet received) and only then posts one NIXL READ from the
+  sender's blocks into its own; consecutive ids on both sides become one descriptor. READs of
+  later layers are posted without waiting for earlier ones; a poller drives them and marks each
+  layer landed as its READ completes; DONE is answered once the ticket's READs have ended. NIXL
+  itself refuses a READ outside the memory the sender registered.
+- A sender's agent metadata is loaded once per agent name and kept (a few hundred bytes; a
+  restarted prefill worker is a new agent). The control socket is plain TCP without TLS: run
+  ``nixl`` on a trusted fabric (``kv_tls`` applies to ``tcp`` only).
 
 Control messages are versioned and length-prefixed (``_HEADER``, little-endian)::
 
@@ -29,15 +33,16 @@ agent name + metadata; LAYER ``<II`` (layer, n) + dst ids u64[n] + src ids u64[n
 ABORT reason (UTF-8); ACK answered kind (u8); ERROR refused kind (u8) + reason NUL detail.
 
 Progress: the agents run without NIXL's progress thread (it spins a core); each side drives
-progress itself. The receiver polls a READ until it completes (spinning briefly, then every
+progress itself. The receiver polls its READs until they end (spinning briefly, then every
 ``read_poll_interval_s``); the sender polls its agent every ``sender_progress_interval_s`` while
 it has a ticket open (UCX needs the target's progress to set up a connection, and on transports
 without one-sided support, for every transfer). ``transfer`` may complete inline.
 
-Cancellation: ``cancel`` returns only once no READ of that ticket is in flight (it drives the
-READ to its end, bounded by ``quiesce_timeout_s``), so the agent may free the blocks right after.
-A READ cannot be stopped half way through the way a socket read can: it lands whole or not at all
-from the receiver's point of view, and it lands only into blocks the ticket still owns.
+Cancellation: ``cancel`` returns only once no READ of that ticket is in flight: it drives each
+for up to ``quiesce_spin_s``, then has NIXL cancel it (bounded by ``quiesce_timeout_s`` if NIXL
+cannot), so the agent may free and reassign the blocks right after. Until then the blocks still
+belong to the cancelled ticket, so a READ cut short can only have written into blocks of its own
+ticket, which is failed and never decoded.
 
 Environment: ``UCX_MODULES`` defaults to ``^ib`` when unset (without InfiniBand devices UCX's ib
 module makes processes crash at exit); set it explicitly to use RDMA on a GPU node. Install NIXL
