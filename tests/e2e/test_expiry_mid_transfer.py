@@ -123,13 +123,11 @@ async def test_lease_lapsing_mid_transfer(transport: str) -> None:
 
         # -- the stalled request: expires after two layers landed, fails cleanly --
         engine.pause_next = True
-        started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await stack.generate(prompt, pb.PREFILL_MODE_REMOTE, timeout_s=60.0)
         assert failure.value.code() is not grpc.StatusCode.DEADLINE_EXCEEDED
         assert "expired" in (failure.value.details() or "")
         assert engine.is_paused.is_set(), "the prefill never paused: the lease lapsed elsewhere"
-        assert time.monotonic() - started < 30.0
         (dest, token), = senders.opened
         expired = await stack.coordinator.coordinator.get(token.ticket_id)
         assert expired is not None and expired.state.name == "EXPIRED"
