@@ -287,3 +287,41 @@ async def test_set_controls_applies_and_persists(
     restarted = _governor(backend, repository, clock, TargetRecorder())
     await restarted.load_controls()
     assert restarted.controls(DEPLOYMENT) == controls
+
+
+async def test_what_if_plan_runs_the_planner(
+        served: tuple[CapacityGovernor, grpc.aio.Channel]) -> None:
+    _, channel = served
+    stub = governor_pb2_grpc.CapacityGovernorServiceStub(channel)
+    demand = governor_pb2.Demand(
+        arrival_rate_per_s=20.0, prompt=governor_pb2.LengthDistribution(mean_tokens=1155),
+        output=governor_pb2.LengthDistribution(mean_tokens=211))
+    slo = governor_pb2.Slo(ttft_ms=2000, tpot_ms=100, percentile=90)
+    request = governor_pb2.WhatIfPlanRequest(model=DEPLOYMENT, gpu="h100-sxm-80gb",
+                                             prefill_tp_size=4, decode_tp_size=4,
+                                             demand=demand, slo=slo)
+    plan = (await stub.WhatIfPlan(request, timeout=60)).plan
+    assert plan.num_prefill_instances >= 1 and plan.num_decode_instances >= 1
+    assert plan.num_gpus == 4 * (plan.num_prefill_instances + plan.num_decode_instances)
+    assert 0 < plan.predicted_ttft_ms <= 2000 and 0 < plan.predicted_tpot_ms <= 100
+    assert plan.goodput_per_gpu > 0 and plan.demand == demand
+    doubled = governor_pb2.WhatIfPlanRequest()
+    doubled.CopyFrom(request)
+    doubled.demand.arrival_rate_per_s = 40.0
+    bigger = (await stub.WhatIfPlan(doubled, timeout=60)).plan
+    assert bigger.num_gpus > plan.num_gpus
+    for field_name, broken in (("slo", {"slo": None}),
+                               ("demand.arrival_rate_per_s", {"rate": 0.0}),
+                               ("slo.tpot_ms", {"tpot": 0.0})):
+        bad = governor_pb2.WhatIfPlanRequest()
+        bad.CopyFrom(request)
+        if "slo" in broken:
+            bad.ClearField("slo")
+        if "rate" in broken:
+            bad.demand.arrival_rate_per_s = broken["rate"]
+        if "tpot" in broken:
+            bad.slo.tpot_ms = broken["tpot"]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.WhatIfPlan(bad, timeout=60)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert error_from_rpc_error(info.value).field == field_name

@@ -24,7 +24,8 @@ can correct course one interval later). Each call:
    sized at ``prefill_target_utilization`` (TTFT includes queue wait). Decode is KV memory and
    batch: an instance runs at most ``min(max_batch_size, KV blocks / blocks per sequence,
    largest batch whose step time meets the TPOT SLO)`` sequences, each for ``mean_output x
-   step_time`` seconds; sized at ``decode_target_utilization`` of that batch. Backlog (queued
+   step_time`` seconds; sized at ``decode_target_utilization`` of the throughput that batch
+   delivers (see ``decode_rate_per_instance`` for why throughput, not batch). Backlog (queued
    prompt tokens, sequences waiting for KV room) is added as the rate that clears it within the
    lead. The two pools are sized from different quantities (prompt length for prefill; output
    length, context and KV for decode), so they scale independently.
@@ -132,9 +133,9 @@ class SizingConfig:
     """How demand becomes instances.
 
     ``tpot_slo_s`` bounds the decode batch (the step time of a full batch must meet it);
-    ``*_target_utilization`` is the share of an instance's capacity the plan uses at the
+    ``*_target_utilization`` is the share of an instance's throughput the plan uses at the
     forecast demand (the rest absorbs arrivals bunching within an interval: TTFT includes queue
-    wait). ``kv_growth_fraction``: share of the output a sequence's KV reservation covers (1 =
+    wait; decode throughput at the TPOT-limited batch). ``kv_growth_fraction``: share of the output a sequence's KV reservation covers (1 =
     the whole output, as the router reserves an expected length up front; 0.5 = the average
     footprint of sequences that grow block by block).
     """
@@ -244,15 +245,34 @@ def decode_rate_per_instance(profile: InstanceProfile, sizing: SizingConfig,
                              mean_prompt_tokens: float,
                              mean_output_tokens: float) -> tuple[float, float, DecodeLimit]:
     """Requests per second one decode instance serves at the target utilisation, the batch it
-    runs then, and what limits the batch. A request holds a batch slot for ``mean_output x
-    step_time(batch)`` seconds (Little's law: rate = batch / that)."""
+    runs then, and what limits the batch.
+
+    A request holds a batch slot for ``mean_output x step_time(batch)`` seconds, so an instance
+    running ``batch`` sequences completes ``batch / (output x step)`` requests per second
+    (Little's law). The target utilisation applies to that *throughput* at the largest allowed
+    batch, not to the batch: decode steps of large models grow almost linearly with the batch
+    once compute-bound, so a batch at 80% of the TPOT limit can deliver nearly 100% of the
+    throughput, and an instance offered more than its maximum throughput does not degrade
+    gently: its batch grows until every sequence on it misses the TPOT SLO.
+    """
     max_batch, limit = decode_batch_limit(profile, sizing, mean_prompt_tokens, mean_output_tokens)
-    batch = max(1.0, sizing.decode_target_utilization * max_batch)
     context = mean_prompt_tokens + mean_output_tokens / 2.0
-    step_s = profile.decode_perf.decode_step_time_s(
-        math.ceil(batch), math.ceil(math.ceil(batch) * context)) / profile.speedup
-    seconds_per_request = max(1.0, mean_output_tokens) * step_s
-    return batch / seconds_per_request, batch, limit
+    output = max(1.0, mean_output_tokens)
+
+    def rate_at(batch: int) -> float:
+        step_s = profile.decode_perf.decode_step_time_s(
+            batch, math.ceil(batch * context)) / profile.speedup
+        return batch / (output * step_s)
+
+    rate = sizing.decode_target_utilization * rate_at(max_batch)
+    low, high = 1, max_batch  # the smallest batch that sustains ``rate`` (rate_at increases)
+    while low < high:
+        middle = (low + high) // 2
+        if rate_at(middle) >= rate:
+            high = middle
+        else:
+            low = middle + 1
+    return rate, float(low), limit
 
 
 def size_pools(profile: InstanceProfile, sizing: SizingConfig, demand: Demand) -> PoolSizing:

@@ -1,7 +1,7 @@
 """gRPC adapter of the capacity governor: capacity questions, expert-placement what-ifs, and
 the autoscaler (the plan in force, decision history, operator controls). Protos in, core
 calls, protos out; the policy lives in ``autoscaler`` and the loop in ``governor``.
-``WhatIfPlan`` and ``GetExpertPlacement`` answer UNIMPLEMENTED until their cores exist."""
+``WhatIfPlan`` runs the SLO planner (``planner.plan``) on a hypothetical demand."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from pdserve.api.v1 import governor_pb2
-from pdserve.api.v1 import governor_pb2_grpc
+from pdserve.api.v1 import governor_pb2, governor_pb2_grpc
+from pdserve.capacity import planner
 from pdserve.capacity.autoscaler import AutoscalerControls, PoolBounds
 from pdserve.capacity.catalog import get_gpu, get_model
 from pdserve.capacity.eplb import (
@@ -134,6 +134,59 @@ def controls_from_pb(request: governor_pb2.SetAutoscalerControlsRequest,
     )
 
 
+def _lengths_from_pb(lengths: governor_pb2.LengthDistribution, name: str) -> tuple[float, tuple[int, ...]]:
+    """(mean tokens, samples) of a length distribution; one of them must be given."""
+    samples = tuple(int(x) for x in lengths.samples_tokens)
+    if any(x < 1 for x in samples):
+        raise InvalidArgumentError(f"{name}.samples_tokens: every length must be >= 1",
+                                   field=f"{name}.samples_tokens")
+    mean = lengths.mean_tokens or (sum(samples) / len(samples) if samples else 0.0)
+    if not math.isfinite(mean) or mean < 1:
+        raise InvalidArgumentError(
+            f"{name}: give mean_tokens >= 1 or samples_tokens", field=f"{name}.mean_tokens")
+    return mean, samples
+
+
+def what_if_inputs(request: governor_pb2.WhatIfPlanRequest) -> tuple[
+        planner.Demand, planner.Slo, planner.InstanceShape, planner.InstanceShape]:
+    """The planner's inputs from a request, every field checked (``InvalidArgumentError``
+    names it). Paired samples of equal length are used as they are; otherwise each length is
+    taken from its mean (``planner.Demand.from_means``)."""
+    for name in ("model", "gpu"):
+        if not getattr(request, name):
+            raise InvalidArgumentError(f"{name}: required", field=name)
+    if not request.HasField("demand"):
+        raise InvalidArgumentError("demand: required", field="demand")
+    if not request.HasField("slo"):
+        raise InvalidArgumentError("slo: required", field="slo")
+    demand, slo = request.demand, request.slo
+    rate = demand.arrival_rate_per_s
+    if not (math.isfinite(rate) and rate > 0):
+        raise InvalidArgumentError("demand.arrival_rate_per_s: must be > 0",
+                                   field="demand.arrival_rate_per_s")
+    if not 0.0 <= demand.prefix_hit_fraction < 1.0:
+        raise InvalidArgumentError("demand.prefix_hit_fraction: must be in [0, 1)",
+                                   field="demand.prefix_hit_fraction")
+    prompt_mean, prompts = _lengths_from_pb(demand.prompt, "demand.prompt")
+    output_mean, outputs = _lengths_from_pb(demand.output, "demand.output")
+    for name in ("ttft_ms", "tpot_ms"):
+        value = getattr(slo, name)
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidArgumentError(f"slo.{name}: must be > 0", field=f"slo.{name}")
+    percentile = slo.percentile or 90.0
+    if not 0.0 < percentile < 100.0:
+        raise InvalidArgumentError("slo.percentile: must be in (0, 100)", field="slo.percentile")
+    if prompts and outputs and len(prompts) == len(outputs):
+        plan_demand = planner.Demand(rate, prompts, outputs, demand.prefix_hit_fraction)
+    else:
+        plan_demand = planner.Demand.from_means(rate, prompt_mean, output_mean,
+                                                demand.prefix_hit_fraction)
+    shapes = [planner.InstanceShape(request.model, request.gpu, tp or 1)
+              for tp in (request.prefill_tp_size, request.decode_tp_size)]
+    return (plan_demand, planner.Slo(slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0, percentile),
+            shapes[0], shapes[1])
+
+
 class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer):
     """``governor`` None serves the stateless RPCs only (the autoscaler RPCs then answer
     UNAVAILABLE). ``clock`` (wall seconds) dates override expiries."""
@@ -162,6 +215,18 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
         return governor_pb2.GetPlanResponse(plan=plan_to_pb(
             spec, prefill.num_target_instances, decode.num_target_instances,
             {**prefill.inputs, **prefill.forecast}, at))
+
+    async def WhatIfPlan(self, request: governor_pb2.WhatIfPlanRequest, context: grpc.aio.ServicerContext) -> governor_pb2.WhatIfPlanResponse:
+        demand, slo, prefill, decode = what_if_inputs(request)
+        result = await asyncio.to_thread(planner.plan, demand, slo, [prefill], [decode])
+        config, prediction = result.config, result.prediction
+        return governor_pb2.WhatIfPlanResponse(plan=governor_pb2.Plan(
+            num_prefill_instances=config.num_prefill, num_decode_instances=config.num_decode,
+            num_gpus=config.num_gpus, predicted_ttft_ms=prediction.ttft_s * 1000.0,
+            predicted_tpot_ms=prediction.tpot_s * 1000.0,
+            local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
+            goodput_per_gpu=result.goodput_per_gpu, demand=request.demand, slo=request.slo,
+            created_unix_ms=int(self._clock() * 1000)))
 
     async def ListDecisions(self, request: governor_pb2.ListDecisionsRequest, context: grpc.aio.ServicerContext) -> governor_pb2.ListDecisionsResponse:
         limit = request.limit or DEFAULT_LIST_LIMIT
