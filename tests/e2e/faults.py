@@ -108,9 +108,12 @@ class Stack:
 
     def start_pool(self, role: str, index: int) -> ServiceProcess:
         ports = self.prefill_pool_ports if role == "prefill" else self.decode_pool_ports
+        # ``{coordinator}`` and ``{pool}`` in pool_args: the addresses (provisioned workers).
+        args = [a.format(coordinator=self.coordinator_address, pool=self.pool_address(role),
+                         role=role) for a in self.pool_args]
         return self._start(ServiceProcess(f"{role}-pool-{index}", [
             "serve", f"{role}-pool", "--deployments", MODEL, "--grpc-port", str(ports[index]),
-            *self.pool_args], {**self.env, "PDSERVE_JOIN_TOKEN": self.join_token}))
+            *args], {**self.env, "PDSERVE_JOIN_TOKEN": self.join_token}))
 
     def start_router(self, index: int) -> ServiceProcess:
         while len(self.router_ports) <= index:
@@ -167,8 +170,9 @@ def build_stack(processes: list[ServiceProcess], redis_url: str, database_url: s
         stack.decode_workers.append(stack.start_worker("decode", f"decode-worker-{i}"))
     for process in (*stack.routers, *stack.workers):
         process.wait_ready()
-    for router in stack.routers:
-        wait_router_sees(router, num_prefill, num_decode)
+    if num_prefill or num_decode:  # else provisioned by the pool managers: the caller waits
+        for router in stack.routers:
+            wait_router_sees(router, num_prefill, num_decode)
     return stack
 
 
@@ -181,13 +185,17 @@ def ready_counts(router_address: str) -> tuple[int, int]:
     return (card.num_prefill_workers, card.num_decode_workers) if card else (0, 0)
 
 
-def ready_in_store(pool_address: str) -> int:
-    """Workers READY in the shared store, as a pool manager lists them."""
+def list_workers(pool_address: str) -> list[pb.WorkerInfo]:
+    """Workers of both roles in the shared store, as a pool manager lists them."""
     target, options = channel_target(pool_address)
     with grpc.insecure_channel(target, options=options) as channel:
-        workers = pool_pb2_grpc.PoolServiceStub(channel).ListWorkers(
-            pool_pb2.ListWorkersRequest(deployment=MODEL), timeout=5).workers
-    return sum(1 for w in workers if w.state == pb.WORKER_STATE_READY)
+        return list(pool_pb2_grpc.PoolServiceStub(channel).ListWorkers(
+            pool_pb2.ListWorkersRequest(deployment=MODEL), timeout=5).workers)
+
+
+def ready_in_store(pool_address: str) -> int:
+    """Workers READY in the shared store, as a pool manager lists them."""
+    return sum(1 for w in list_workers(pool_address) if w.state == pb.WORKER_STATE_READY)
 
 
 def wait_until(probe: Callable[[], object], timeout_s: float, interval_s: float = 0.2) -> bool:

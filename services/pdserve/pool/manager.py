@@ -324,6 +324,12 @@ class PoolManager:
             known = {r.worker_id for r in records}
             live = [r for r in records if r.state in (
                 WorkerState.REGISTERING, WorkerState.LOADING, WorkerState.READY)]
+            running = set(self._provisioner.handles(deployment, self.policy.role.value))
+            for worker_id in [w for w, d in self._launched.items()
+                              if d == deployment and w not in known and w not in running]:
+                # Gone without this replica seeing it leave (drained and exited, its DRAINED
+                # heartbeat handled by another replica; or died before registering): not pending.
+                self._launched.pop(worker_id, None)
             pending = [w for w, d in self._launched.items() if d == deployment and w not in known]
             num_live = len(live) + len(pending)
             for _ in range(target - num_live):

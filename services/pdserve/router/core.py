@@ -111,10 +111,13 @@ class OutcomeSink(Protocol):
 class _Retry(Exception):
     """A failure before the first token: try other workers."""
 
-    def __init__(self, error: PdserveError, worker_ids: tuple[str, ...]) -> None:
+    def __init__(self, error: PdserveError, worker_ids: tuple[str, ...],
+                 is_backoff: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
         self.worker_ids = worker_ids
+        self.is_backoff = is_backoff
+        """Wait a little before the next attempt (the control plane, not a worker, failed)."""
 
 
 class Router:
@@ -248,15 +251,21 @@ class Router:
     ) -> AsyncIterator[tuple[GenerationChunk, tuple[int, bool, float]]]:
         excluded: set[str] = set()
         last_error: PdserveError | None = None
+        is_backoff = False
         for attempt in range(1, self.config.max_attempts + 1):
             try:
                 decision = await self._decide(request, frozenset(excluded))
             except CapacityError:
                 raise
             except UnavailableError:
-                if last_error is not None:
-                    raise last_error from None
-                raise
+                if last_error is None or not excluded or not is_backoff:
+                    if last_error is not None:
+                        raise last_error from None
+                    raise
+                # Every worker was excluded after control-plane failures (e.g. a store restart
+                # until the workers' next heartbeats): after the backoff, try them again.
+                excluded.clear()
+                decision = await self._decide(request, frozenset())
             is_local = decision.is_local_prefill
             if attempt == 1:
                 self._admit(request, request_id, decision)
@@ -269,7 +278,8 @@ class Router:
                             request_id, attempt, retry.error.message)
                 last_error = retry.error
                 excluded.update(retry.worker_ids)
-                if not retry.worker_ids and attempt < self.config.max_attempts:
+                is_backoff = retry.is_backoff
+                if retry.is_backoff and attempt < self.config.max_attempts:
                     await asyncio.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.2 * 2 ** attempt))
         assert last_error is not None
         raise last_error
@@ -342,10 +352,10 @@ class Router:
         except CapacityError as exc:
             raise _Retry(exc, (decode.worker_id,)) from None
         except UnavailableError as exc:
-            # The coordinator (or its store) could not take the ticket, or no longer knows the
-            # worker (a store restart, until its next heartbeat): not the worker's fault, so
-            # it is not excluded; the next attempt waits a little.
-            raise _Retry(exc, ()) from None
+            # The coordinator (or its store) could not take the ticket, the worker is draining,
+            # or the store no longer knows it (a restart, until its next heartbeat): try other
+            # workers after a short wait; all of them again if every one failed so.
+            raise _Retry(exc, (decode.worker_id,), is_backoff=True) from None
         self._pending_blocks[decode.worker_id] = self._pending_blocks.get(decode.worker_id, 0) + decision.num_blocks
         self._pending_seqs[decode.worker_id] = self._pending_seqs.get(decode.worker_id, 0) + 1
         decode_call = None
