@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import socket
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -218,8 +219,29 @@ class WorkerProcess:
         await self._pool_channel.close()
 
 
+def skew_wall_clock(offset_s: float) -> None:
+    """Fault injection: this process's ``time.time``/``time.time_ns`` run ``offset_s`` ahead
+    (behind if negative), like a host whose clock is off. Monotonic clocks are untouched (a
+    skewed host's are too). Nothing of a worker's may depend on agreeing with another clock."""
+    import types
+
+    import grpc.aio._utils as grpc_aio_utils
+
+    real_time, real_time_ns = time.time, time.time_ns
+    offset_ns = int(offset_s * 1e9)
+    # gRPC turns a timeout into a deadline with Python's time.time() and its C core compares
+    # it with the core's own (unskewed) clock; on a skewed host both are skewed alike. Keep
+    # the library consistent with its core, so only pdserve's code sees the skew.
+    grpc_aio_utils.time = types.SimpleNamespace(time=real_time)  # type: ignore[attr-defined]
+    time.time = lambda: real_time() + offset_s  # type: ignore[assignment]
+    time.time_ns = lambda: real_time_ns() + offset_ns  # type: ignore[assignment]
+    logger.warning("wall clock skewed by %+.1f s (fault injection)", offset_s)
+
+
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event,
                      announce: Callable[[str], None] = print) -> None:
+    if settings.test_clock_offset_s:
+        skew_wall_clock(settings.test_clock_offset_s)
     process = WorkerProcess(settings)
     try:
         await process.start()
