@@ -7,8 +7,11 @@ import asyncio
 import os
 import sys
 
+from pdserve.cli.client_options import add_client_arguments, client_channel
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_client_arguments(parser)
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--address", default=os.environ.get("PDSERVE_ROUTER_ADDRESS", "127.0.0.1:50051"),
                         help="router gRPC address [PDSERVE_ROUTER_ADDRESS; default 127.0.0.1:50051]")
@@ -32,7 +35,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
     modes = {"auto": pb.PREFILL_MODE_UNSPECIFIED, "remote": pb.PREFILL_MODE_REMOTE,
              "local": pb.PREFILL_MODE_LOCAL}
-    async with grpc.aio.insecure_channel(args.address) as channel:
+    async with client_channel(args.address, args) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         model = args.model
         try:

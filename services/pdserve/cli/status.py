@@ -7,8 +7,11 @@ import asyncio
 import os
 import sys
 
+from pdserve.cli.client_options import add_client_arguments, client_channel
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_client_arguments(parser)
     default = os.environ.get("PDSERVE_ADDRESS", "127.0.0.1:50051")
     parser.add_argument("--address", default=default,
                         help="address serving every service (pdserve up) [PDSERVE_ADDRESS]")
@@ -41,7 +44,7 @@ async def _status(args: argparse.Namespace) -> int:
     rows = []
     try:
         for role, address in roles.items():
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with client_channel(address, args) as channel:
                 stub = pool_pb2_grpc.PoolServiceStub(channel)
                 response = await stub.ListWorkers(
                     pool_pb2.ListWorkersRequest(deployment=args.deployment, role=role), timeout=10)
@@ -53,7 +56,7 @@ async def _status(args: argparse.Namespace) -> int:
                         w.address, str(load.num_queued_prefill_tokens), str(load.num_running_seqs),
                         f"{load.num_free_blocks}/{load.num_total_blocks}",
                     ])
-        async with grpc.aio.insecure_channel(args.coordinator_address or args.address) as channel:
+        async with client_channel(args.coordinator_address or args.address, args) as channel:
             stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
             ledger = await stub.GetLedger(kv_transfer_pb2.GetLedgerRequest(deployment=args.deployment), timeout=10)
             tickets = await stub.ListTickets(kv_transfer_pb2.ListTicketsRequest(limit=10_000), timeout=10)
