@@ -120,7 +120,8 @@ async def _serve_control_plane(service: str, settings: object, stop: asyncio.Eve
         from pdserve.common.leadership import holder_id, open_lease
 
         app = GovernorApp(settings, durable,  # type: ignore[arg-type]
-                          lease=open_lease(stores.redis_client, "governor", holder_id()))
+                          lease=open_lease(stores.redis_client, "governor", holder_id()),
+                          lease_ttl_s=settings.leader_lease_s)  # type: ignore[attr-defined]
     else:  # pragma: no cover - argparse restricts the choices
         raise SystemExit(f"unknown service {service}")
     app.register(server)  # type: ignore[attr-defined]

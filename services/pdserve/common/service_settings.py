@@ -181,6 +181,7 @@ class GovernorSettings(CommonSettings):
     autoscale_max_num_blocks: int = setting(0, parser=int_range(0, 10_000_000), help="Cap on KV blocks per decode instance, as sim workers apply (0 = none).")
     autoscale_slo_tpot_ms: float = setting(100.0, parser=float_range(0.001, 1e9), help="TPOT SLO that bounds the decode batch, ms.")
     autoscale_max_gpus: int = setting(0, parser=int_range(0, 10_000_000), help="GPU budget over both pools of a deployment (0 = none); operators change it with SetAutoscalerControls.")
+    leader_lease_s: float = setting(5.0, parser=float_range(0.1, 3600.0), help="Lease of the active governor replica (active/standby): a standby takes over about this long after the active one dies.")
     is_autoscaler_dry_run: bool = setting(False, help="Recommend only: record decisions, never set pool targets.")
     prefill_pool_address: str | None = setting(None, parser=optional(ADDRESS), help="host:port of the prefill pool manager (targets are set there); empty = recommend only.")
     decode_pool_address: str | None = setting(None, parser=optional(ADDRESS), help="host:port of the decode pool manager; empty = recommend only.")
