@@ -414,7 +414,18 @@ class _TlsSocketIo(_SocketIo):
                     remaining = len(view) - offset + sum(len(v) for v in views[index + 1:])
                     await self.discard(remaining)
                     return False
-                n = await self._read_into(view[offset:])
+                # Decrypt straight into the blocks only with no await between the check above
+                # and the write: waiting for ciphertext happens before the check, never after
+                # (the ticket may end, and its blocks change owner, during a wait).
+                try:
+                    n = self._tls.read(len(view) - offset, view[offset:])
+                except ssl.SSLWantReadError:
+                    await self._flush()  # e.g. a TLS 1.3 key update wants an answer
+                    if not await self._fill():
+                        raise ConnectionResetError("peer closed in the middle of a layer") from None
+                    continue
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    n = 0
                 if n == 0:
                     raise ConnectionResetError("peer closed in the middle of a layer")
                 offset += n
