@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("pdserve.cli.plan", "prefill and decode instance counts for a demand and SLO, with a P:D sweep plot"),
     "simulate": ("pdserve.cli.simulate", "replay a trace through a simulated cluster running the live policies"),
     "experts": ("pdserve.cli.experts", "per-GPU expert load before/after a placement: table and heat map"),
+    "audit": ("pdserve.cli.audit", "reconcile decode ledgers with worker block tables; compare KV block checksums"),
     "certs": ("pdserve.cli.certs", "make a development CA and mutual-TLS certificates"),
 }
 
