@@ -29,12 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from helpers.private_redis import free_port
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.cli.audit import AuditReport, audit
 from pdserve.common.grpc_client import channel_target
-
-from helpers.private_redis import free_port
 
 from .conftest import ServiceProcess
 

@@ -42,7 +42,7 @@ WORKER_ARGS = ("--speedup", "1", "--num-kv-layers", "4", "--max-num-blocks", "20
 """Real-time simulated H100s: a 600-token prefill takes tens of milliseconds and 32 tokens of
 decode a few hundred, long enough to catch a worker in the middle of each phase."""
 MAX_TOKENS = 32
-LOAD_AFTER_FAULT_S = 3.0
+LOAD_AFTER_FAULT_S = 2.5
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +73,13 @@ def _catch(workers: list[ServiceProcess], phase: str, timeout_s: float = 20.0) -
     pytest.fail(f"no worker was seen in phase {phase!r} within {timeout_s:.0f}s")
 
 
-async def _under_load(stack: Stack, fault: Callable[[], object]) -> list[Outcome]:
+async def _under_load(stack: Stack, fault: Callable[[], object],
+                      after_s: float = LOAD_AFTER_FAULT_S) -> list[Outcome]:
     load = Load(stack.router_addresses, concurrency=4, max_tokens=MAX_TOKENS,
                 prompt_tokens=(300, 1500)).start()
     await asyncio.sleep(1.0)
     await asyncio.to_thread(fault)
-    await asyncio.sleep(LOAD_AFTER_FAULT_S)
+    await asyncio.sleep(after_s)
     return await load.stop()
 
 
@@ -147,7 +148,7 @@ async def test_kill_a_control_plane_replica_and_restart_it(stack: Stack, service
     if service == "router":
         await asyncio.to_thread(wait_router_sees, restarted, 2, 2)
     # The restarted replica serves: a short load over every replica completes.
-    again = await _under_load(stack, lambda: None)
+    again = await _under_load(stack, lambda: None, after_s=1.0)
     assert_clean(again, max_failed=0)
     await _assert_settled(stack)
     assert await asyncio.to_thread(wait_until, lambda: restarted.returncode is None, 1.0)

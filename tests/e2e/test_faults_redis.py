@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from helpers.private_redis import PrivateRedis, private_redis
 
 from .conftest import ServiceProcess

@@ -10,9 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from pdserve.common.leadership import LeaderElector, MemoryLease, RedisLease
-
 from helpers.private_redis import private_redis
+from pdserve.common.leadership import LeaderElector, MemoryLease, RedisLease
 
 TTL_S = 0.6
 

@@ -161,8 +161,14 @@ async def gather(coordinator_address: str, pool_addresses: list[str], deployment
     import grpc
 
     from pdserve.api.v1 import common_pb2 as pb
-    from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, pool_pb2, pool_pb2_grpc
-    from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
+    from pdserve.api.v1 import (
+        kv_transfer_pb2,
+        kv_transfer_pb2_grpc,
+        pool_pb2,
+        pool_pb2_grpc,
+        worker_pb2,
+        worker_pb2_grpc,
+    )
     from pdserve.common.convert import token_from_pb
     from pdserve.common.grpc_client import channel_target
 
