@@ -29,9 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+import pytest
 from helpers.private_redis import free_port
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import pool_pb2, pool_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.api.v1 import (
+    pool_pb2,
+    pool_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from pdserve.cli.audit import AuditReport, audit
 from pdserve.common.grpc_client import channel_target
 
@@ -220,6 +228,27 @@ def wait_router_sees(router: ServiceProcess, num_prefill: int, num_decode: int,
         raise AssertionError(f"{router.name} does not see {num_prefill}/{num_decode} ready "
                              f"workers within {timeout_s:.0f}s (sees {seen})\n"
                              f"{router.describe()}")
+
+
+def worker_phases(worker: ServiceProcess) -> set[str]:
+    with grpc.insecure_channel(worker.grpc_address) as channel:
+        status = worker_pb2_grpc.WorkerAgentServiceStub(channel).GetStatus(
+            worker_pb2.GetStatusRequest(), timeout=2)
+    return {t.phase for t in status.tickets}
+
+
+def catch_in_phase(workers: list[ServiceProcess], phase: str,
+                   timeout_s: float = 20.0) -> ServiceProcess:
+    """The first worker seen with a ticket in ``phase`` (polled as fast as GetStatus allows)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for worker in workers:
+            try:
+                if phase in worker_phases(worker):
+                    return worker
+            except grpc.RpcError:
+                continue
+    pytest.fail(f"no worker was seen in phase {phase!r} within {timeout_s:.0f}s")
 
 
 # -- load ---------------------------------------------------------------------------------------

@@ -13,12 +13,9 @@ ledger is exact and the handoff checksums agree (``pdserve audit``), no ticket i
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 
-import grpc
 import pytest
-from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 
 from .conftest import ServiceProcess
 from .faults import (
@@ -27,6 +24,7 @@ from .faults import (
     Stack,
     assert_clean,
     build_stack,
+    catch_in_phase,
     failure_reasons,
     kill9,
     settled_audit,
@@ -51,26 +49,6 @@ def stack(e2e_redis_url: str, e2e_database_url: str,
     yield build_stack(processes, e2e_redis_url, e2e_database_url, num_replicas=2,
                       pool_args=("--heartbeat-timeout-s", "2"),
                       router_args=("--lease-s", "3"), worker_args=WORKER_ARGS)
-
-
-def _phases(worker: ServiceProcess) -> set[str]:
-    with grpc.insecure_channel(worker.grpc_address) as channel:
-        status = worker_pb2_grpc.WorkerAgentServiceStub(channel).GetStatus(
-            worker_pb2.GetStatusRequest(), timeout=2)
-    return {t.phase for t in status.tickets}
-
-
-def _catch(workers: list[ServiceProcess], phase: str, timeout_s: float = 20.0) -> ServiceProcess:
-    """The first worker seen with a ticket in ``phase`` (polled as fast as GetStatus allows)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for worker in workers:
-            try:
-                if phase in _phases(worker):
-                    return worker
-            except grpc.RpcError:
-                continue
-    pytest.fail(f"no worker was seen in phase {phase!r} within {timeout_s:.0f}s")
 
 
 async def _under_load(stack: Stack, fault: Callable[[], object],
@@ -111,7 +89,7 @@ async def test_kill_a_prefill_worker_mid_prefill_or_mid_transfer(stack: Stack, p
     victims: list[ServiceProcess] = []
 
     def fault() -> None:
-        victims.append(_catch(stack.prefill_workers, phase))
+        victims.append(catch_in_phase(stack.prefill_workers, phase))
         kill9(victims[0])
 
     outcomes = await _under_load(stack, fault)
@@ -125,7 +103,7 @@ async def test_kill_a_decode_worker_mid_decode(stack: Stack) -> None:
     victims: list[ServiceProcess] = []
 
     def fault() -> None:
-        victims.append(_catch(stack.decode_workers, "decoding"))
+        victims.append(catch_in_phase(stack.decode_workers, "decoding"))
         kill9(victims[0])
 
     outcomes = await _under_load(stack, fault)

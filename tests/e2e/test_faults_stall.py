@@ -27,13 +27,13 @@ from .faults import (
     Stack,
     assert_clean,
     build_stack,
+    catch_in_phase,
     failure_reasons,
     settled_audit,
     settled_idle_ledgers,
     summary,
     wait_router_sees,
 )
-from .test_faults_kill import _catch
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
@@ -74,7 +74,7 @@ async def test_a_frozen_sender_on_skewed_clocks_is_fenced_off_and_its_request_re
     load = Load(stack.router_addresses, concurrency=3, max_tokens=16,
                 prompt_tokens=(800, 1500)).start()
     try:
-        await asyncio.to_thread(_catch, [victim], "sending")
+        await asyncio.to_thread(catch_in_phase, [victim], "sending")
         os.killpg(victim.pid, signal.SIGSTOP)
         await asyncio.sleep(3 * LEASE_S)  # the lease lapses; the pool marks the worker FAILED
     finally:
