@@ -139,6 +139,7 @@ class RouterSettings(CommonSettings):
     local_prefill_threshold_tokens: int = setting(64, parser=int_range(0, 10_000_000), help="Uncached prompt tokens at or below which decode prefills itself.")
     prefill_saturation_tokens: int = setting(65536, parser=int_range(0, 10**9), help="Queued prefill tokens beyond which prompts prefill locally.")
     lease_s: float = setting(10.0, parser=DURATION_S, help="Lease asked for each ticket.")
+    stream_idle_timeout_s: float = setting(20.0, parser=DURATION_S, help="Longest silence of a decode stream after its first token (before it, plus the KV wait) before the request ends with DEADLINE_EXCEEDED.")
     transport: str = setting("tcp", help="KV transport workers use.")
     slo_ttft_ms: float = setting(2000.0, parser=float_range(0.001, 1e9), help="TTFT SLO for goodput, ms.")
     slo_tpot_ms: float = setting(100.0, parser=float_range(0.001, 1e9), help="TPOT SLO for goodput, ms.")

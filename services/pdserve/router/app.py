@@ -37,6 +37,7 @@ def router_config(settings: RouterSettings) -> RouterConfig:
         ),
         max_attempts=settings.max_attempts, max_in_flight=settings.max_in_flight,
         max_tokens_limit=settings.max_tokens_limit, lease_s=settings.lease_s,
+        stream_idle_timeout_s=settings.stream_idle_timeout_s,
         transport=settings.transport, slo_ttft_ms=settings.slo_ttft_ms,
         slo_tpot_ms=settings.slo_tpot_ms, admission=admission_config(settings),
     )

@@ -26,6 +26,7 @@ from pdserve.api.v1 import worker_pb2
 from pdserve.common.convert import token_to_pb
 from pdserve.common.errors import (
     CapacityError,
+    DeadlineError,
     InvalidArgumentError,
     NotFoundError,
     PdserveError,
@@ -74,6 +75,10 @@ class RouterConfig:
     rpc_timeout_s: float = 10.0
     request_timeout_s: float = 600.0
     kv_wait_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 20.0
+    """Longest wait for the next decode message once the first arrived (the first may take
+    ``kv_wait_timeout_s`` more): a frozen decode worker ends the request with DEADLINE_EXCEEDED
+    instead of leaving it open until keepalives notice."""
     transport: str = "tcp"
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
@@ -393,7 +398,9 @@ class Router:
             exposed_s = 0.0
             while True:
                 try:
-                    message = await self._next_or_prefill_failure(stream, prefill_task)
+                    idle_s = config.stream_idle_timeout_s + (config.kv_wait_timeout_s
+                                                             if first else 0.0)
+                    message = await self._next_or_prefill_failure(stream, prefill_task, idle_s)
                 except PdserveError as exc:
                     if first:
                         failed = (decode.worker_id,) if prefill_task is None or not prefill_task.done() \
@@ -443,10 +450,33 @@ class Router:
     async def _next_or_prefill_failure(
         self, stream: AsyncIterator[worker_pb2.DecodeResponse],
         prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
+        idle_timeout_s: float | None = None,
     ) -> worker_pb2.DecodeResponse | None:
         """The next decode message; if prefill fails first, its error (the decode side would
-        only time out)."""
+        only time out). ``DeadlineError`` if nothing comes within ``idle_timeout_s``."""
+        if idle_timeout_s is None:
+            return await self._next_message(stream, prefill_task)
+        try:
+            return await asyncio.wait_for(self._next_message(stream, prefill_task),
+                                          idle_timeout_s)
+        except TimeoutError:
+            raise DeadlineError(f"no decode message within {idle_timeout_s:.1f}s") from None
+
+    async def _next_message(
+        self, stream: AsyncIterator[worker_pb2.DecodeResponse],
+        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
+    ) -> worker_pb2.DecodeResponse | None:
         next_message = asyncio.ensure_future(anext(stream, None))
+        try:
+            return await self._first_of(next_message, prefill_task)
+        except asyncio.CancelledError:
+            next_message.cancel()  # timed out or cancelled: do not leave the read behind
+            raise
+
+    async def _first_of(
+        self, next_message: asyncio.Future[worker_pb2.DecodeResponse | None],
+        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
+    ) -> worker_pb2.DecodeResponse | None:
         if prefill_task is None or prefill_task.done():
             if prefill_task is not None and prefill_task.exception() is not None:
                 next_message.cancel()
