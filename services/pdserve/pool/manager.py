@@ -120,6 +120,7 @@ class PoolManager:
         self._provisioner = provisioner
         self._lifecycle_sink = lifecycle_sink
         self._launched: dict[str, str] = {}  # worker_id -> deployment, launched and not yet gone
+        self._registered: set[str] = set()  # launched workers seen in the store
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -296,6 +297,7 @@ class PoolManager:
     async def _retire(self, record: WorkerRecord) -> None:
         if self._provisioner is not None and record.worker_id in self._launched:
             self._launched.pop(record.worker_id, None)
+            self._registered.discard(record.worker_id)
             await self._provisioner.stop(record.worker_id)
         await self._remove(record, "drained")
 
@@ -325,11 +327,17 @@ class PoolManager:
             live = [r for r in records if r.state in (
                 WorkerState.REGISTERING, WorkerState.LOADING, WorkerState.READY)]
             running = set(self._provisioner.handles(deployment, self.policy.role.value))
+            self._registered.update(w for w in self._launched if w in known)
             for worker_id in [w for w, d in self._launched.items()
-                              if d == deployment and w not in known and w not in running]:
-                # Gone without this replica seeing it leave (drained and exited, its DRAINED
-                # heartbeat handled by another replica; or died before registering): not pending.
+                              if d == deployment and w not in known
+                              and (w in self._registered or w not in running)]:
+                # Gone without this replica seeing it leave (drained or removed, its last
+                # heartbeat handled by another replica; or died before registering): not
+                # pending. A drained process may still be shutting down: make sure it ends.
                 self._launched.pop(worker_id, None)
+                self._registered.discard(worker_id)
+                if worker_id in running:
+                    await self._provisioner.stop(worker_id)
             pending = [w for w, d in self._launched.items() if d == deployment and w not in known]
             num_live = len(live) + len(pending)
             for _ in range(target - num_live):
@@ -344,6 +352,7 @@ class PoolManager:
             for record in records:
                 if record.state is WorkerState.FAILED and record.worker_id in self._launched:
                     self._launched.pop(record.worker_id, None)
+                    self._registered.discard(record.worker_id)
                     await self._provisioner.stop(record.worker_id)
 
     async def run(self, stop: asyncio.Event, deployments: Iterable[str] = ()) -> None:
