@@ -151,8 +151,10 @@ def test_a_body_shorter_than_announced_does_not_hang_the_server(stack: InProcess
 
 
 def test_the_router_still_serves_afterwards(stack: InProcessStack) -> None:
-    # The fuzzing above reached real generations as well as refusals (run in file order).
-    assert 200 in STATUSES and 400 in STATUSES, sorted(set(STATUSES))
+    # The fuzzing above reached the validation (run in file order); whether random bodies also
+    # produced a real generation depends on the examples drawn, so that is not required.
+    assert 400 in STATUSES, sorted(set(STATUSES))
+    assert all(status < 500 for status in STATUSES), sorted(set(STATUSES))
     body = {"model": MODEL, "prompt": "still there?", "max_tokens": 3}
     status, payload, _ = _request(stack, "POST", "/v1/completions", json.dumps(body).encode())
     assert status == 200, payload
