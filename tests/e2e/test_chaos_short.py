@@ -1,0 +1,108 @@
+"""The chaos harness (``bench/chaos.py``), shortened for CI: the same stack of real processes
+(two routers, two coordinators, two pool managers per role, two prefill and two decode sim
+workers, one of each with its clock an hour off; a private Redis) under steady open-loop load,
+with a handful of faults one after another: kill -9 of a prefill worker caught sending KV, of a
+decode worker caught decoding, of a router replica, and a Redis restart. Killed processes are
+restarted after a delay, as a supervisor would.
+
+Asserted, as ``bench/chaos.py`` reports them: no request hung or was cut short; every failure is
+a clean gRPC status on a stream that had its first token when the decode worker or router
+carrying it was killed (anything earlier must have been retried); after settling, ``pdserve
+audit`` finds every ledger exact and every handoff checksum equal, no block is left in use, and
+no late KV frame was accepted; after the Redis restart serving resumed without restarting any
+process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import ServiceProcess
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from _chaos_faults import ChaosPlan, ChaosResult, run_chaos
+from _chaos_load import Counts
+from _chaos_stack import ChaosConfig, ChaosStack
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+CONFIG = ChaosConfig(num_governors=0, is_private_postgres=False)
+"""The governor's failover has its own test (test_faults_governor); Postgres stays up."""
+PLAN = ChaosPlan(
+    rate_rps=4.0,
+    faults=("kill_prefill_sending", "kill_decode_decoding", "kill_router", "redis_restart"),
+    min_accepted=150, max_duration_s=90.0, postgres_down_s=0.0, scale_down_hold_s=0.0,
+    gap_s=(0.5, 2.0), restart_delay_s=(0.5, 1.5), seed=3,
+)
+
+
+@pytest.fixture(scope="module")
+def chaos_stack(e2e_database_url: str, processes: list[ServiceProcess],
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
+    work_dir = tmp_path_factory.mktemp("chaos")
+    stack = ChaosStack(CONFIG, work_dir, processes)
+    try:
+        yield stack.start(database_url=e2e_database_url)
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="module")
+def result(chaos_stack: ChaosStack) -> ChaosResult:
+    result = asyncio.run(run_chaos(chaos_stack, PLAN))
+    counts = result.counts
+    print(f"chaos (short): {counts}")
+    for fault in result.faults:
+        print(f"  {fault.name}: {fault.victim} recovered after {fault.recovery_s:.1f}s "
+              f"{fault.details} {fault.error}")
+    return result
+
+
+def test_every_fault_was_injected_and_recovered_from(result: ChaosResult) -> None:
+    # Every fault at least once (the run goes on with more until enough requests were accepted).
+    assert {f.name for f in result.faults} == set(PLAN.faults)
+    problems = {f.name: f.error for f in result.faults if f.error}
+    assert not problems, problems
+    redis = result.fault("redis_restart")
+    assert redis is not None and "first_success_s" in redis.details, redis
+
+
+def test_no_request_hung_or_was_truncated_and_failures_are_clean(result: ChaosResult) -> None:
+    counts: Counts = result.counts
+    assert counts.accepted >= PLAN.min_accepted, counts
+    assert counts.hung == 0, counts
+    assert counts.truncated == 0, counts
+    assert counts.client_errors == 0, [o for o in result.outcomes if o.kind == "client_error"][:3]
+    assert counts.completed + counts.failed_clean == counts.accepted, counts
+    # Only streams already past their first token may fail, and only when the decode worker or
+    # router carrying them was killed: anything earlier is retried on other workers.
+    assert not result.unexpected_failures, result.unexpected_failures[:5]
+
+
+def test_after_settling_no_block_leaked_and_no_late_write_landed(result: ChaosResult) -> None:
+    assert result.audit is not None
+    assert result.audit.is_ok, result.audit
+    assert result.audit.num_checksums_compared > 0
+    assert not result.audit.checksum_mismatches
+    assert not result.idle_ledger_problems, result.idle_ledger_problems
+    assert result.leaked_blocks == 0
+    assert result.late_writes_accepted == 0
+
+
+def test_only_the_killed_processes_were_restarted(result: ChaosResult,
+                                                  chaos_stack: ChaosStack) -> None:
+    # Redis came back empty and nothing was restarted for it: every process is either running
+    # or one of the victims (each replaced by a restart of the same command).
+    victims = {f.victim.split(" ")[0] for f in result.faults if f.name.startswith("kill_")}
+    dead = {p.name for p in chaos_stack.processes if p.returncode is not None}
+    assert dead <= victims, (dead, victims)
+    running = {p.name for p in chaos_stack.processes if p.returncode is None}
+    assert victims <= running  # restarted
