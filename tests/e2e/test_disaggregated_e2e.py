@@ -137,7 +137,11 @@ def cluster(e2e_redis_url: str, e2e_database_url: str, trace_collector: TraceCol
             "serve", "router", "--coordinator-address", coordinator.grpc_address,
             "--http-port", "-1", "--outcome-window-s", "1",
             "--local-prefill-threshold-tokens", str(LOCAL_PREFILL_THRESHOLD_TOKENS),
-            "--prefill-saturation-tokens", str(PREFILL_SATURATION_TOKENS)], env)
+            "--prefill-saturation-tokens", str(PREFILL_SATURATION_TOKENS),
+            # This test is about the disaggregated path: every one of its 200 requests must
+            # complete. Shedding (tests/e2e/test_overload.py) would refuse some of the burst on
+            # a loaded machine, where the routers learn slow prefill rates from their own timing.
+            "--is-shedding-enabled", "false"], env)
         for i in range(2)
     ]
     built = Cluster(coordinator, prefill_pool, decode_pool, routers, [], [], trace_collector,
