@@ -10,15 +10,23 @@ can correct course one interval later). Each call:
    Gardner & McKenzie 1985) on the per-interval arrival rates: ``level`` follows the rate,
    ``trend`` its change per interval; the forecast ``h`` intervals ahead is ``level + (phi + ... +
    phi^h) x trend``. The policy sizes for the highest forecast on the path from now to the lead
-   (a falling forecast keeps today's level). No daily (seasonal) term: learning one takes at least
-   a day of history per deployment, and over a 10-minute lead the daily envelope is a near-linear
-   ramp (a 10:1 sine day changes by under 4% in 10 minutes), which the trend term follows.
+   (a falling forecast keeps today's level). Holt's trend is smoothed to stay quiet on noise, so
+   it learns a steep ramp slowly; a **surge test** covers that case: a least-squares slope over
+   the last ``surge_window`` rates whose t statistic against the one-interval noise reaches
+   ``surge_t_stat`` is projected over the lead (``surge_horizon_s``), and the larger forecast
+   wins. No daily (seasonal) term: learning one takes at least a day of history per deployment,
+   and over a 10-minute lead the daily envelope is a near-linear ramp (a 10:1 sine day changes
+   by under 4% in 10 minutes), which the trend term follows.
 2. **Headroom** from forecast error: the ``headroom_quantile`` of the absolute errors of the
-   forecasts this policy made one lead time earlier (scored when their target interval arrives,
-   over the last ``error_window`` intervals). Until enough of those exist, the same quantile of
-   one-interval errors times ``sqrt(lead in intervals)`` (the random-walk growth of error with
-   horizon); before any error is known, ``initial_headroom_fraction`` of the forecast. Never less
-   than ``min_headroom_fraction`` of the forecast.
+   forecasts this policy made one lead time earlier, scored against the smoothed level when
+   their target interval arrives (the sampling noise of one short interval is not forecast
+   error; bunching within an interval is what the target utilisation is for), over the last
+   ``error_window`` intervals. Until enough of those exist, the same quantile of one-interval
+   errors times ``sqrt(lead in intervals)`` (the random-walk growth of error with horizon);
+   before any error is known, ``initial_headroom_fraction`` of the forecast. Never less than
+   ``min_headroom_fraction`` of the forecast: a burst that nothing forecasts has to be met by
+   what already runs until new instances are ready, a lead time later (``bench/autoscale.py``
+   measures the trade-off this floor makes).
 3. **Demand to instances** with the capacity and performance models (``size_pools``): prefill is
    compute: one instance prefills ``speedup / prefill_time_s(mean prompt)`` requests per second,
    sized at ``prefill_target_utilization`` (TTFT includes queue wait). Decode is KV memory and
@@ -32,11 +40,13 @@ can correct course one interval later). Each call:
 4. **Operator controls and damping** per pool, in this order: a manual override (until it
    expires) or a freeze short-circuits the rest; otherwise scale up at once, scale down only when
    the highest need over the last ``scale_down_delay_s`` (as Kubernetes' HPA stabilisation
-   window does), raised by ``scale_down_margin``, fits in fewer instances, and by at most
-   ``max(1, max_scale_down_fraction x previous)`` per decision; then min/max bounds; then the GPU budget (both pools, GPUs per
-   instance from the tensor-parallel degree; cut the pool with more headroom over its need
-   first); then at most ``max_step_per_minute`` instances added or removed per pool in any 60 s.
-   Removal always goes through drain, by the pool managers.
+   window does), raised by a margin (``scale_down_margin``, or ``scale_down_noise_multiple``
+   times the rate's relative noise when that is wider), fits in fewer instances, and by at
+   most ``max(1, max_scale_down_fraction x previous)`` per decision; then min/max bounds; then
+   the GPU budget (both pools, GPUs per instance from the tensor-parallel degree; cut the pool
+   with more headroom over its need first); then at most ``max_step_per_minute`` instances
+   added or removed per pool in any 60 s. Removal always goes through drain, by the pool
+   managers.
 
 Every decision carries, in ``ScalingDecision.inputs``, the figures it was computed from: the
 forecast (``forecast_*``), headroom, per-instance capacities, the raw and final target of each
@@ -461,7 +471,12 @@ class AutoscalerConfig:
     ``alpha``/``beta``: smoothing of level and trend, in (0, 1]; ``damping``: trend damping phi
     in (0, 1]. ``error_window``: intervals of forecast errors kept. ``scale_down_delay_s``: how
     long the need must stay below the current size before the pool shrinks;
-    ``scale_down_margin``: how far below (a fraction of the need), the hysteresis band.
+    ``scale_down_margin``: how far below (a fraction of the need), the hysteresis band, widened
+    to ``scale_down_noise_multiple`` times the rate's relative one-interval noise when that is
+    larger (noisier demand needs a wider band not to flap). ``surge_horizon_s`` None projects a
+    detected surge over the whole lead. The defaults were chosen on ``bench/autoscale.py``'s day
+    (several seeds): they trade GPU-hours against the share of a +60% burst the running
+    instances absorb before new ones are ready.
     """
 
     sizing: SizingConfig = SizingConfig()
@@ -470,13 +485,15 @@ class AutoscalerConfig:
     damping: float = 0.98
     error_window: int = 60
     min_lead_errors: int = 10
-    headroom_quantile: float = 0.9
-    min_headroom_fraction: float = 0.05
+    headroom_quantile: float = 0.7
+    min_headroom_fraction: float = 0.12
     initial_headroom_fraction: float = 0.2
     surge_window: int = 5
     surge_t_stat: float = 4.0
-    scale_down_delay_s: float = 300.0
-    scale_down_margin: float = 0.1
+    surge_horizon_s: float | None = None
+    scale_down_delay_s: float = 180.0
+    scale_down_margin: float = 0.05
+    scale_down_noise_multiple: float = 1.5
     max_scale_down_fraction: float = 0.1
 
     def __post_init__(self) -> None:
@@ -485,10 +502,15 @@ class AutoscalerConfig:
             if not 0.0 < value <= 1.0:
                 raise InvalidArgumentError(f"{name} must be in (0, 1], got {value}", field=name)
         for name in ("min_headroom_fraction", "initial_headroom_fraction", "scale_down_delay_s",
-                     "scale_down_margin", "max_scale_down_fraction"):
+                     "scale_down_margin", "scale_down_noise_multiple", "max_scale_down_fraction"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidArgumentError(f"{name} must be >= 0, got {value}", field=name)
+        if self.surge_window < 0 or self.surge_window == 1 or (
+                self.surge_horizon_s is not None and not self.surge_horizon_s >= 0):
+            raise InvalidArgumentError(
+                "surge_window must be 0 (off) or >= 2, surge_horizon_s None or >= 0",
+                field="surge_window")
         if self.error_window < 2 or self.min_lead_errors < 1:
             raise InvalidArgumentError("error_window must be >= 2 and min_lead_errors >= 1",
                                        field="error_window")
@@ -588,7 +610,10 @@ class Autoscaler:
         while self._pending and self._pending[0][0] <= index:
             target_index, predicted = self._pending.popleft()
             if target_index == index:
-                self._lead_errors.append(rate - predicted)
+                # Scored against the smoothed level, not the raw count of one interval: the
+                # sampling noise of a short interval is not forecast error, and the target
+                # utilisation already covers arrivals bunching within an interval.
+                self._lead_errors.append(self._forecaster.forecast(0) - predicted)
 
     def _forecast(self, observation: ScalingObservation) -> Forecast:
         config = self.config
@@ -602,7 +627,9 @@ class Autoscaler:
         rate = forecaster.path_max(lead)
         surge_slope, surge_t = self._surge()
         if surge_t >= config.surge_t_stat:
-            rate = max(rate, self._recent[-1] + surge_slope * lead)
+            horizon = lead if config.surge_horizon_s is None else min(
+                lead, config.surge_horizon_s / observation.interval_s)
+            rate = max(rate, self._recent[-1] + surge_slope * horizon)
         if len(self._lead_errors) >= config.min_lead_errors:
             error = _quantile([abs(e) for e in self._lead_errors], config.headroom_quantile)
             source = "lead"
@@ -636,6 +663,14 @@ class Autoscaler:
         if sigma <= _EPSILON:
             return slope, math.inf if slope > 0 else 0.0
         return slope, slope / (sigma / math.sqrt(sxx))
+
+    def _noise_fraction(self) -> float:
+        """The one-interval noise of the rate relative to its level (robust: 1.4826 x the
+        median absolute one-interval error), 0 while unknown."""
+        level = self._forecaster.forecast(0)
+        if len(self._step_errors) < 5 or level <= _EPSILON:
+            return 0.0
+        return 1.4826 * _quantile([abs(e) for e in self._step_errors], 0.5) / level
 
     # -- deciding -------------------------------------------------------------------------
 
@@ -700,8 +735,9 @@ class Autoscaler:
             # Down only when even the highest need of the whole window, plus a margin, fits in
             # fewer instances: noise around an instance boundary then never flips the target.
             is_window_full = history[0][0] <= now_s - config.scale_down_delay_s
-            stable = instances_for(max(value for _, value in history)
-                                   * (1.0 + config.scale_down_margin))
+            margin = max(config.scale_down_margin,
+                         config.scale_down_noise_multiple * self._noise_fraction())
+            stable = instances_for(max(value for _, value in history) * (1.0 + margin))
             if not is_window_full or stable >= previous:
                 target, why = previous, (
                     f"hold: need not below {previous} for {config.scale_down_delay_s:g} s")
@@ -709,7 +745,7 @@ class Autoscaler:
                 max_step = max(1, math.floor(config.max_scale_down_fraction * previous))
                 target = max(stable, previous - max_step)
                 why = (f"scale down (highest need over {config.scale_down_delay_s:g} s "
-                       f"+ {config.scale_down_margin:.0%}: {stable})")
+                       f"+ {margin:.0%}: {stable})")
         clamped = bounds.clamp(target)
         if clamped != target:
             why += f"; bounded to [{bounds.min_instances}, {bounds.max_instances}]"
