@@ -94,12 +94,22 @@ class _RecordingSender:
 
     async def offer_layer(self, layer: int, src_block_ids: Sequence[int],
                           dst_block_ids: Sequence[int] | None = None) -> None:
+        self._record(layer, src_block_ids, dst_block_ids)
+        await self._inner.offer_layer(layer, src_block_ids, dst_block_ids)
+
+    async def offer_layers(self, layers: Sequence[int], src_block_ids: Sequence[int],
+                           dst_block_ids: Sequence[int] | None = None) -> None:
+        for layer in layers:
+            self._record(layer, src_block_ids, dst_block_ids)
+        await self._inner.offer_layers(layers, src_block_ids, dst_block_ids)
+
+    def _record(self, layer: int, src_block_ids: Sequence[int],
+                dst_block_ids: Sequence[int] | None) -> None:
         assert self._token is not None
         dst = self._dst if dst_block_ids is None else tuple(dst_block_ids)
         for src, dst_id in zip(src_block_ids, dst, strict=True):
             checksum = kv_block_checksum(self._kv_cache.layer_buffers[layer][src])
             self._ledger.sent[(self._token, layer, int(dst_id))] = checksum
-        await self._inner.offer_layer(layer, src_block_ids, dst_block_ids)
 
 
 class _RecordingReceiver:

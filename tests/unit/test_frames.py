@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pdserve.state.types import FencingToken
 from pdserve.worker.transports.frames import (
     FLAG_BLOCK_IDS_U64,
+    FLAG_NO_ACK,
     HEADER_NBYTES,
     DonePayload,
     ErrorPayload,
@@ -94,7 +95,7 @@ def test_hand_built_header_is_accepted() -> None:
         ({"version": 2}, "version"),
         ({"version": 0}, "version"),
         ({"frame_type": 0}, "frame type"),
-        ({"frame_type": 7}, "frame type"),
+        ({"frame_type": 8}, "frame type"),
         ({"flags": 0x2}, "flags"),
         ({"attempt": 0}, "attempt 0"),
         ({"num_ids": 0, "payload": 0}, "names 0 blocks"),
@@ -197,4 +198,60 @@ def test_mutated_valid_headers_are_refused_or_well_formed(
     if header.frame_type is FrameType.LAYER:
         assert header.payload_nbytes == header.num_block_ids * LIMITS.block_nbytes
         assert 1 <= header.num_block_ids <= LIMITS.max_block_ids
+    if header.frame_type is FrameType.LAYERS:
+        num_layers = header.num_layers(LIMITS.block_nbytes)
+        assert num_layers >= 1 and header.layer + num_layers <= LIMITS.num_layers
+        assert header.payload_nbytes == num_layers * header.num_block_ids * LIMITS.block_nbytes
+    assert not header.flags & FLAG_NO_ACK or header.frame_type is FrameType.HELLO
     assert header.token is not None or header.frame_type in (FrameType.ACK, FrameType.ERROR)
+
+
+# ---- LAYERS frames and the NO_ACK flag -----------------------------------------------------------
+
+LAYERS_LIMITS = FrameLimits(block_nbytes=4096, num_blocks=1000, max_block_ids=64, num_layers=8)
+
+
+def test_layers_prefix_round_trip() -> None:
+    ids = np.array([5, 999, 0], dtype=np.int64)
+    prefix = layer_frame_prefix(TOKEN, 2, ids, LAYERS_LIMITS.block_nbytes, num_layers=4)
+    header = decode_header(prefix[:HEADER_NBYTES], LAYERS_LIMITS)
+    assert (header.frame_type, header.layer, header.num_block_ids) == (FrameType.LAYERS, 2, 3)
+    assert header.payload_nbytes == 4 * 3 * 4096
+    assert header.num_layers(LAYERS_LIMITS.block_nbytes) == 4
+    assert decode_block_ids(header, prefix[HEADER_NBYTES:], LAYERS_LIMITS).tolist() == [5, 999, 0]
+    # One layer is a plain LAYER frame, as before LAYERS existed.
+    single = decode_header(layer_frame_prefix(TOKEN, 2, ids, 4096)[:HEADER_NBYTES], LAYERS_LIMITS)
+    assert single.frame_type is FrameType.LAYER and single.num_layers(4096) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"payload": 2 * 4096 * 3 + 1}, "not a multiple"),  # not whole layers
+        ({"payload": 0}, "not a multiple"),  # no layer at all
+        ({"layer": 6, "payload": 2 * 4096 * 3}, "past layer 7"),  # layers 6..8 of 8
+        ({"num_ids": 0, "payload": 0}, "names 0 blocks"),
+        ({"flags": FLAG_NO_ACK, "payload": 2 * 4096 * 2}, "flags"),  # NO_ACK is HELLO's only
+    ],
+)
+def test_malformed_layers_headers_are_refused(overrides: dict[str, object], message: str) -> None:
+    fields = {"frame_type": int(FrameType.LAYERS), **overrides}
+    with pytest.raises(FrameError, match=message):
+        decode_header(_valid_layer_header(**fields), LAYERS_LIMITS)
+
+
+def test_layers_ending_at_the_last_layer_are_accepted() -> None:
+    header = decode_header(_valid_layer_header(frame_type=int(FrameType.LAYERS), layer=5,
+                                               payload=2 * 4096 * 3), LAYERS_LIMITS)
+    assert header.num_layers(4096) == 3
+
+
+def test_no_ack_is_a_hello_flag() -> None:
+    hello = HelloPayload(num_layers=8, block_size_tokens=16, block_nbytes=4096).encode()
+    frame = encode_frame(FrameType.HELLO, TOKEN, block_ids=[3, 4], payload=hello,
+                         flags=FLAG_NO_ACK)
+    assert _header_of(frame).flags == FLAG_NO_ACK
+    for frame_type, payload in ((FrameType.DONE, DonePayload(1, 0.0, 8).encode()),
+                                (FrameType.ABORT, b"why")):
+        with pytest.raises(FrameError, match="flags"):
+            _header_of(encode_frame(frame_type, TOKEN, payload=payload, flags=FLAG_NO_ACK))

@@ -204,6 +204,44 @@ class _DecodeTicket:
     dropped: str = ""
 
 
+class _ReadyLayers:
+    """Finished layers, from the engine thread to the event loop: the thread ``put``s each
+    layer (then None, or an exception), the loop ``take_all``s whatever is there. One wake-up
+    of the loop per batch, not per layer, and the loop sends every layer it finds at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: collections.deque[int | BaseException | None] = collections.deque()
+        self._lock = threading.Lock()
+        self._is_wake_pending = False
+        self._event = asyncio.Event()
+
+    def put(self, item: int | BaseException | None) -> None:
+        """Engine thread."""
+        with self._lock:
+            self._items.append(item)
+            if self._is_wake_pending:
+                return
+            self._is_wake_pending = True
+        self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._is_wake_pending = False
+        self._event.set()
+
+    async def take_all(self) -> list[int | BaseException | None]:
+        """Event loop: every item put so far (at least one), oldest first."""
+        while True:
+            with self._lock:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    return items
+                self._event.clear()
+            await self._event.wait()
+
+
 @dataclass(slots=True)
 class _PrefillJob:
     token: FencingToken
@@ -457,6 +495,7 @@ class WorkerAgent:
             raise InvalidArgumentError("prompt_token_ids: empty", field="prompt_token_ids")
         key = str(token)
         timing: TransferTiming | None = None
+        checksum_block_ids: list[int] = []
         if is_local_prefill:
             self._check_accepting()
             self._validate_blocks(len(prompt_token_ids), num_blocks)
@@ -503,10 +542,10 @@ class WorkerAgent:
                 raise
             if ticket.dropped:
                 raise StaleTokenError(f"ticket {key} was dropped: {ticket.dropped}")
-            num_prompt_blocks = self.engine.layout.num_blocks_for(len(prompt_token_ids))
-            self.kv_checksums.append(KvChecksum(
-                token, kv_checksum(self.engine.kv_cache, ticket.block_ids[:num_prompt_blocks]),
-                num_prompt_blocks, self.engine.layout.num_layers))
+            # Checksummed once the first token is out (off the time to first token), and before
+            # the sequence joins the batch (no decode step has written into its blocks yet).
+            checksum_block_ids = ticket.block_ids[
+                :self.engine.layout.num_blocks_for(len(prompt_token_ids))]
             sequence = Sequence(
                 request_id=request_id or key, prompt_token_ids=list(prompt_token_ids),
                 max_tokens=max_tokens, block_ids=ticket.block_ids,
@@ -523,6 +562,9 @@ class WorkerAgent:
         ticket.phase = "decoding"
         try:
             yield [sequence.output_token_ids[0]], timing
+            if checksum_block_ids:
+                self._record_checksum(token, checksum_block_ids)
+                checksum_block_ids = []
             if sequence.is_finished:
                 return
             ticket.queue = asyncio.Queue()
@@ -536,6 +578,8 @@ class WorkerAgent:
                     return
                 yield [new_token], None
         finally:
+            if checksum_block_ids:  # closed at the first token
+                self._record_checksum(token, checksum_block_ids)
             if ticket in self._running:
                 self._running.remove(ticket)
             self._free_decode(key, "")
@@ -566,6 +610,11 @@ class WorkerAgent:
                 ticket.queue.put_nowait(new_token)
                 if ticket.sequence.is_finished:
                     self._finish_running(ticket)
+
+    def _record_checksum(self, token: FencingToken, block_ids: list[int]) -> None:
+        """Keep the checksum of a handoff's prompt KV as it landed here, for audits."""
+        self.kv_checksums.append(KvChecksum(token, kv_checksum(self.engine.kv_cache, block_ids),
+                                            len(block_ids), self.engine.layout.num_layers))
 
     def _finish_running(self, ticket: _DecodeTicket) -> None:
         if ticket in self._running:
@@ -668,16 +717,16 @@ class WorkerAgent:
                             num_computed_tokens=num_cached_tokens if self.config.is_prefix_cache_simulated else 0)
         sender = self.transport.create_sender(self.engine.kv_cache)
         loop = asyncio.get_running_loop()
-        ready: asyncio.Queue[int | BaseException | None] = asyncio.Queue()
+        ready = _ReadyLayers(loop)
         compute_done = threading.Event()
 
         def compute() -> None:
             try:
                 for layer in self.engine.prefill_layers(sequence):
-                    loop.call_soon_threadsafe(ready.put_nowait, layer)
-                loop.call_soon_threadsafe(ready.put_nowait, None)
+                    ready.put(layer)
+                ready.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the event loop
-                loop.call_soon_threadsafe(ready.put_nowait, exc)
+                ready.put(exc)
             finally:
                 compute_done.set()
 
@@ -688,21 +737,30 @@ class WorkerAgent:
                 started = time.perf_counter()
                 compute_future = loop.run_in_executor(self._engine_thread, compute)
                 first_sent = None
-                while True:
-                    item = await ready.get()
-                    if item is None:
-                        break
-                    if isinstance(item, BaseException):
-                        raise item
+                is_computed = False
+                while not is_computed:
+                    layers: list[int] = []
+                    for item in await ready.take_all():
+                        if item is None:
+                            is_computed = True
+                            break
+                        if isinstance(item, BaseException):
+                            raise item
+                        layers.append(item)
+                    if not layers:
+                        continue
                     if job.cancel_reason:
                         raise StaleTokenError(f"ticket {job.token} dropped: {job.cancel_reason}")
                     if first_sent is None:
                         first_sent = time.perf_counter()
                         job.phase = "sending"
+                    # Layers finished while the previous ones were being sent go out together.
                     with tracer.start_as_current_span("prefill.send_layer") as layer_span:
-                        layer_span.set_attribute("pdserve.layer", item)
-                        await sender.offer_layer(item, block_ids[:len(job.destination.block_ids)])
-                await compute_future
+                        layer_span.set_attribute("pdserve.layer", layers[0])
+                        layer_span.set_attribute("pdserve.num_layers", len(layers))
+                        await sender.offer_layers(layers, block_ids[:len(job.destination.block_ids)])
+                if not compute_done.is_set():  # it is, unless the thread has yet to return
+                    await compute_future
                 compute_end = time.perf_counter()
                 compute_s = compute_end - started
                 self.profile.append((len(prompt), 1, compute_s, True))

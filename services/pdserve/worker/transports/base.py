@@ -303,8 +303,11 @@ class KvSender(abc.ABC):
     @abc.abstractmethod
     async def open(self, dest: KvDestinationSpec, token: FencingToken) -> None:
         """Connect to the destination and introduce the ticket. Raises ``TransferFailedError`` if
-        the receiver refuses it (unknown, stale, cancelled, wrong shape), ``InvalidArgumentError``
-        if ``dest`` does not fit the local layout."""
+        the destination is unreachable, ``InvalidArgumentError`` if ``dest`` does not fit the
+        local layout. A receiver's refusal of the ticket (unknown, stale, cancelled, wrong shape)
+        raises ``TransferFailedError`` here, or — on a backend that does not wait for the
+        receiver's answer (``tcp``) — from a later ``offer_layer`` or at the latest ``finish``;
+        nothing of a refused ticket lands either way."""
 
     @abc.abstractmethod
     async def offer_layer(
@@ -318,6 +321,15 @@ class KvSender(abc.ABC):
         receiver READs it. Raises ``TransferFailedError`` if the transfer is known to have
         failed; a refusal the receiver reports later surfaces in ``finish``.
         """
+
+    async def offer_layers(
+        self, layers: Sequence[int], src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int] | None = None,
+    ) -> None:
+        """``offer_layer`` for several layers that are ready at once (same blocks), in order.
+        A backend may move them together (``tcp``: one frame per run of consecutive layers)."""
+        for layer in layers:
+            await self.offer_layer(layer, src_block_ids, dst_block_ids)
 
     @abc.abstractmethod
     async def finish(self, first_token_id: int, prefill_compute_s: float) -> TransferResult:
@@ -372,15 +384,31 @@ class KvSender(abc.ABC):
         if not 0 <= layer < self.kv_cache.layout.num_layers:
             raise InvalidArgumentError(f"layer {layer} out of range", field="layer")
         dst = (self._dest.block_ids if dst_block_ids is None
-               else tuple(int(b) for b in dst_block_ids))
-        offer = LayerOffer(layer, tuple(int(b) for b in src_block_ids), dst)
+               else tuple(map(int, dst_block_ids)))
+        offer = LayerOffer(layer, tuple(map(int, src_block_ids)), dst)
         num_blocks = self.kv_cache.layout.num_blocks
-        if not all(0 <= b < num_blocks for b in offer.src_block_ids):
+        if min(offer.src_block_ids) < 0 or max(offer.src_block_ids) >= num_blocks:
             raise InvalidArgumentError(f"source block ids must be in [0, {num_blocks})")
         if self._started_s is None:
             self._started_s = self._clock()
         self._state = TransferPoll.TRANSFERRING
         return offer
+
+    def _make_offers(
+        self, layers: Sequence[int], src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int] | None,
+    ) -> list[LayerOffer]:
+        """``_make_offer`` for several layers of the same blocks (the blocks checked once)."""
+        if not layers:
+            return []
+        first = self._make_offer(layers[0], src_block_ids, dst_block_ids)
+        offers = [first]
+        num_layers = self.kv_cache.layout.num_layers
+        for layer in layers[1:]:
+            if not 0 <= layer < num_layers:
+                raise InvalidArgumentError(f"layer {layer} out of range", field="layer")
+            offers.append(LayerOffer(layer, first.src_block_ids, first.dst_block_ids))
+        return offers
 
     def _offered(self, offer: LayerOffer) -> None:
         self._num_bytes += len(offer.src_block_ids) * self.kv_cache.layout.block_nbytes
@@ -423,7 +451,12 @@ class _Ticket:
     sorted_block_ids: np.ndarray  # for vectorised position lookup
     sorted_positions: np.ndarray
     received: np.ndarray  # bool[num_layers, num_blocks]
-    num_received: np.ndarray  # int64[num_layers]
+    num_received: list[int]  # per layer: blocks landed
+    num_admitted: list[int]  # per layer: blocks admitted (landed or arriving)
+    num_landed: int = 0  # sum of num_received
+    checked_ids: np.ndarray | None = None  # the last block-id array _check_blocks passed ...
+    checked_positions: np.ndarray | None = None  # ... their positions ...
+    checked_epoch: int = -1  # ... and the owner table's release epoch at that check
     state: TransferPoll = TransferPoll.WAITING
     reason: str = ""
     num_bytes: int = 0
@@ -434,24 +467,27 @@ class _Ticket:
 
     @property
     def is_complete(self) -> bool:
-        return bool((self.num_received == self.dst_block_ids.size).all())
+        return self.num_landed == self.num_layers * self.dst_block_ids.size
 
 
 class LayerAdmission:
-    """Permission to write one layer of some of a ticket's blocks, checked when admitted.
+    """Permission to write one layer (or ``num_layers`` consecutive layers from ``layer``) of
+    some of a ticket's blocks, checked when admitted.
 
     ``still_writable()`` must be true right before every write into the blocks: it turns false
     as soon as the ticket is cancelled or failed, or if any of the blocks changed owner (checked
     again only when the owner table saw a release since the last check).
     """
 
-    __slots__ = ("_epoch", "_is_revoked", "_tickets", "block_ids", "layer", "positions", "ticket")
+    __slots__ = ("_epoch", "_is_revoked", "_tickets", "block_ids", "layer", "num_layers",
+                 "positions", "ticket")
 
     def __init__(self, tickets: ReceiverTickets, ticket: _Ticket, layer: int,
-                 block_ids: np.ndarray, positions: np.ndarray) -> None:
+                 block_ids: np.ndarray, positions: np.ndarray, num_layers: int = 1) -> None:
         self._tickets = tickets
         self.ticket = ticket
         self.layer = layer
+        self.num_layers = num_layers
         self.block_ids = block_ids
         self.positions = positions
         self._epoch = tickets.owner_table.num_releases
@@ -469,14 +505,20 @@ class LayerAdmission:
                                      RejectReason.CANCELLED,
                                      f"ticket {self.ticket.state} while the layer was arriving")
             return False
+        if not self.is_still_owned():
+            self._is_revoked = True
+            self._tickets.refuse(
+                self.ticket.token, "LAYER", self.layer, RejectReason.OWNERSHIP_LOST,
+                "blocks released while the layer was arriving",
+            )
+            return False
+        return True
+
+    def is_still_owned(self) -> bool:
+        """The token still owns every block of the frame (re-checked only after a release)."""
         owner_table = self._tickets.owner_table
         if owner_table.num_releases != self._epoch:
             if not owner_table.owns_all(self.ticket.token, self.block_ids):
-                self._is_revoked = True
-                self._tickets.refuse(
-                    self.ticket.token, "LAYER", self.layer, RejectReason.OWNERSHIP_LOST,
-                    "blocks released while the layer was arriving",
-                )
                 return False
             self._epoch = owner_table.num_releases
         return True
@@ -535,7 +577,8 @@ class ReceiverTickets:
             sorted_block_ids=ids[order],
             sorted_positions=order,
             received=np.zeros((num_layers, ids.size), dtype=bool),
-            num_received=np.zeros(num_layers, dtype=np.int64),
+            num_received=[0] * num_layers,
+            num_admitted=[0] * num_layers,
         )
         self._attempt_by_ticket_id[token.ticket_id] = token.attempt
 
@@ -562,7 +605,7 @@ class ReceiverTickets:
             await asyncio.wait_for(ticket.finished.wait(), timeout_s)
         except TimeoutError:
             raise DeadlineError(
-                f"{token}: {int(ticket.num_received.sum())} of "
+                f"{token}: {ticket.num_landed} of "
                 f"{ticket.num_layers * ticket.dst_block_ids.size} layer-blocks after {timeout_s} s"
             ) from None
         self._retire(ticket)
@@ -588,6 +631,11 @@ class ReceiverTickets:
     def active_tokens(self) -> list[FencingToken]:
         return list(self._active)
 
+    def is_live(self, token: FencingToken) -> bool:
+        """The ticket is expected and has not ended."""
+        ticket = self._active.get(token)
+        return ticket is not None and not ticket.state.is_terminal
+
     # -- the data path's side: every rule a frame must pass --
 
     def admit_hello(self, token: FencingToken, dst_block_ids: np.ndarray, num_layers: int,
@@ -609,32 +657,55 @@ class ReceiverTickets:
         the frame is wrong). On success the blocks count as received for that layer: a second
         frame for them is a duplicate.
         """
-        ticket = self._live_ticket(token, "LAYER", layer)
-        if not 0 <= layer < ticket.num_layers:
-            raise self._refusal(token, "LAYER", layer, RejectReason.LAYER_OUT_OF_RANGE,
-                                f"ticket has {ticket.num_layers} layers")
-        positions = self._check_blocks(ticket, "LAYER", layer, dst_block_ids)
-        if ticket.received[layer, positions].any():
-            raise self._refusal(token, "LAYER", layer, RejectReason.DUPLICATE_LAYER,
+        return self.admit_layers(token, layer, 1, dst_block_ids)
+
+    def admit_layers(self, token: FencingToken, first_layer: int, num_layers: int,
+                     dst_block_ids: np.ndarray, *, frame: str = "LAYER") -> LayerAdmission:
+        """``admit_layer`` for layers ``first_layer .. first_layer + num_layers - 1`` of the same
+        blocks at once: every rule holds for every one of those layers, or the whole frame is
+        refused (nothing of it is written)."""
+        ticket = self._live_ticket(token, frame, first_layer)
+        last_layer = first_layer + num_layers - 1
+        if num_layers < 1 or not 0 <= first_layer <= last_layer < ticket.num_layers:
+            raise self._refusal(token, frame, first_layer, RejectReason.LAYER_OUT_OF_RANGE,
+                                f"layers {first_layer}..{last_layer}: ticket has "
+                                f"{ticket.num_layers} layers")
+        positions = self._check_blocks(ticket, frame, first_layer, dst_block_ids)
+        num_admitted = ticket.num_admitted
+        received = ticket.received[first_layer : last_layer + 1]
+        if positions.size == ticket.dst_block_ids.size:  # every block: no per-block look
+            is_duplicate = any(num_admitted[first_layer : last_layer + 1])
+        else:
+            is_duplicate = bool(received[:, positions].any())
+        if is_duplicate:
+            raise self._refusal(token, frame, first_layer, RejectReason.DUPLICATE_LAYER,
                                 "some of these blocks arrived already for this layer")
-        ticket.received[layer, positions] = True
+        if positions.size == ticket.dst_block_ids.size:
+            received[:] = True
+        else:
+            received[:, positions] = True
+        for layer in range(first_layer, last_layer + 1):
+            num_admitted[layer] += positions.size
         if ticket.state is TransferPoll.WAITING:
             ticket.state = TransferPoll.TRANSFERRING
             ticket.first_byte_s = self._clock()
-        return LayerAdmission(self, ticket, layer, dst_block_ids, positions)
+        return LayerAdmission(self, ticket, first_layer, dst_block_ids, positions, num_layers)
 
     def layer_landed(self, admission: LayerAdmission, num_bytes: int) -> None:
         """Every byte of an admitted frame is in place."""
         ticket = admission.ticket
-        if ticket.state.is_terminal or not self.owner_table.owns_all(ticket.token,
-                                                                     admission.block_ids):
+        if ticket.state.is_terminal or not admission.is_still_owned():
             # A fencing violation (the data path wrote after the ticket ended or its blocks
             # changed owner): counted for audits, never expected.
             self.num_late_writes_accepted += 1
             logger.error("KV frame of %s layer %d landed after its ticket ended or its blocks "
                          "changed owner", ticket.token, admission.layer)
             return
-        ticket.num_received[admission.layer] += admission.positions.size
+        num_blocks = admission.positions.size
+        num_received = ticket.num_received
+        for layer in range(admission.layer, admission.layer + admission.num_layers):
+            num_received[layer] += num_blocks
+        ticket.num_landed += admission.num_layers * num_blocks
         ticket.num_bytes += num_bytes
         if ticket.is_complete:
             ticket.last_layer_s = self._clock()
@@ -646,10 +717,11 @@ class ReceiverTickets:
         ``FrameRefusedError`` unless the ticket is now SUCCESS."""
         ticket = self._live_ticket(token, "DONE", 0)
         if num_layers != ticket.num_layers or not ticket.is_complete:
-            missing = np.flatnonzero(ticket.num_received != ticket.dst_block_ids.size)
+            missing = [layer for layer, n in enumerate(ticket.num_received)
+                       if n != ticket.dst_block_ids.size]
             raise self._refusal(token, "DONE", 0, RejectReason.INCOMPLETE,
                                 f"sender offered {num_layers} layers; "
-                                f"layers missing blocks: {missing[:8].tolist()}")
+                                f"layers missing blocks: {missing[:8]}")
         ticket.done = (first_token_id, prefill_compute_s)
         self._maybe_succeed(ticket)
 
@@ -694,7 +766,26 @@ class ReceiverTickets:
 
     def _check_blocks(self, ticket: _Ticket, frame: str, layer: int,
                       dst_block_ids: np.ndarray) -> np.ndarray:
-        """Ownership first (the security property), then membership; returns positions."""
+        """Ownership first (the security property), then membership; returns positions.
+
+        The same (read-only) id array as the last check, with no block released anywhere since,
+        passes without a second look: blocks change owner only through a release
+        (``BlockOwnerTable.num_releases``), and a ticket's destination never changes. A data
+        path that decodes each distinct id list once (``tcp``) pays the full check once per
+        ticket instead of once per frame.
+        """
+        epoch = self.owner_table.num_releases
+        if (dst_block_ids is ticket.checked_ids and epoch == ticket.checked_epoch
+                and ticket.checked_positions is not None):
+            return ticket.checked_positions
+        positions = self._check_blocks_fully(ticket, frame, layer, dst_block_ids)
+        if not dst_block_ids.flags.writeable and dst_block_ids.base is None:  # immutable
+            ticket.checked_ids, ticket.checked_positions = dst_block_ids, positions
+            ticket.checked_epoch = epoch
+        return positions
+
+    def _check_blocks_fully(self, ticket: _Ticket, frame: str, layer: int,
+                            dst_block_ids: np.ndarray) -> np.ndarray:
         if not self.owner_table.owns_all(ticket.token, dst_block_ids):
             raise self._refusal(ticket.token, frame, layer, RejectReason.FOREIGN_BLOCKS,
                                 "the token does not own every named block")
@@ -768,3 +859,21 @@ def layer_block_views(kv_cache: KvCache, layer: int, block_ids: np.ndarray) -> l
         for first, count in coalesce_block_runs(block_ids)
     ]
 
+
+
+def layers_block_views(kv_cache: KvCache, layers: Sequence[int], block_ids: np.ndarray,
+                       runs: list[tuple[int, int]] | None = None) -> list[memoryview]:
+    """``layer_block_views`` of several layers, layer after layer: the byte order of a LAYERS
+    frame. ``runs`` = ``coalesce_block_runs(block_ids)`` if the caller has it already."""
+    runs = coalesce_block_runs(block_ids) if runs is None else runs
+    views: list[memoryview] = []
+    block_nbytes = kv_cache.layout.block_nbytes
+    for layer in layers:
+        buffer = kv_cache.layer_buffers[layer]
+        if buffer.flags.c_contiguous:
+            flat = memoryview(buffer).cast("B")
+            views.extend(flat[first * block_nbytes : (first + count) * block_nbytes]
+                         for first, count in runs)
+        else:  # a run of rows of a non-contiguous buffer would be copied by reshape: refuse
+            raise InvalidArgumentError(f"KV layer buffer {layer} is not contiguous")
+    return views

@@ -6,26 +6,42 @@ A frame is a fixed header, then ``num_block_ids`` block ids, then ``payload_nbyt
          0    4 magic            b"PDKV"
          4    1 version          FORMAT_VERSION (1)
          5    1 frame_type       FrameType
-         6    2 flags            bit 0: block ids are uint64 (else uint32); other bits must be 0
+         6    2 flags            bit 0: block ids are uint64 (else uint32); bit 1: NO_ACK (HELLO
+                                 only); other bits must be 0
          8   16 ticket_id        the ticket's UUID, 16 raw bytes
         24    4 attempt          fencing attempt (>= 1; 0 only in ACK/ERROR about no ticket)
-        28    4 layer            LAYER: layer index; ERROR: layer of the refused frame; else 0
-        32    4 num_block_ids    HELLO and LAYER: destination block ids that follow; else 0
-        36    8 payload_nbytes   LAYER: num_block_ids x block_nbytes; others: small and fixed
+        28    4 layer            LAYER: layer index; LAYERS: first layer; ERROR: layer of the
+                                 refused frame; else 0
+        32    4 num_block_ids    HELLO, LAYER, LAYERS: destination block ids that follow; else 0
+        36    8 payload_nbytes   LAYER: num_block_ids x block_nbytes; LAYERS: a multiple >= 1 of
+                                 that; others: small and fixed
     (44 bytes, little-endian, no padding)
 
 Frames, by direction (P = prefill/sender, D = decode/receiver):
 
 - ``HELLO`` P->D: the ticket's destination block ids; payload = (num_layers, block_size_tokens,
   block_nbytes) so D can refuse a ticket of the wrong shape before any KV moves. D answers ACK
-  or ERROR.
+  or ERROR; with flag ``NO_ACK`` only ERROR (the sender does not wait: it sends its first layers
+  right behind the HELLO, and D drops, unanswered, the later frames of a ticket whose HELLO it
+  refused on that connection).
 - ``LAYER`` P->D: one layer of some destination blocks, the blocks' bytes back to back in the
   order of the ids.
+- ``LAYERS`` P->D: consecutive layers ``layer``, ``layer + 1``, ... of the same destination
+  blocks, layer after layer (each as in LAYER); the number of layers is
+  ``payload_nbytes / (num_block_ids x block_nbytes)``. One frame, one admission, one scatter
+  read for layers that were ready at once.
 - ``DONE`` P->D: payload = (first_token_id, prefill_compute_s, num_layers). D answers ACK when
   every layer has landed, else ERROR.
 - ``ABORT`` P->D: payload = reason (UTF-8). No answer.
 - ``ACK`` D->P: payload = the answered frame type (1 byte).
 - ``ERROR`` D->P: payload = the refused frame type (1 byte) + ``reason`` + NUL + detail (UTF-8).
+
+One connection may carry frames of several tickets (whole frames, never interleaved bytes);
+every frame names its ticket, and replies are matched to tickets by that name.
+
+LAYERS and NO_ACK came after the first release of version 1: a receiver older than them refuses
+such frames as malformed (the ticket fails and the request is retried); everything older senders
+send is still accepted unchanged.
 
 The decoder is strict and works on the header alone (``decode_header``): anything malformed
 raises ``FrameError`` before a receiver reads a single payload byte, so a bad header can never
@@ -36,6 +52,7 @@ these blocks) are the receiver's job, not the decoder's.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 import uuid
 from dataclasses import dataclass
@@ -48,7 +65,9 @@ from pdserve.state.types import FencingToken
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1
 FLAG_BLOCK_IDS_U64 = 0x1
-_KNOWN_FLAGS = FLAG_BLOCK_IDS_U64
+FLAG_NO_ACK = 0x2
+"""HELLO only: answer a refusal, not an acceptance."""
+_KNOWN_FLAGS = FLAG_BLOCK_IDS_U64 | FLAG_NO_ACK
 
 _HEADER = struct.Struct("<4sBBH16sIIIQ")
 HEADER_NBYTES = _HEADER.size
@@ -73,16 +92,19 @@ class FrameType(enum.IntEnum):
     ABORT = 4
     ACK = 5
     ERROR = 6
+    LAYERS = 7
 
 
 @dataclass(frozen=True, slots=True)
 class FrameLimits:
     """What a decoder accepts. ``block_nbytes`` fixes a LAYER's payload size per block;
-    block ids must be ``< num_blocks``; ``max_block_ids`` bounds ids per frame."""
+    block ids must be ``< num_blocks``; ``max_block_ids`` bounds ids per frame; a LAYERS frame
+    ends at or before layer ``num_layers``."""
 
     block_nbytes: int
     num_blocks: int
     max_block_ids: int = 1 << 20
+    num_layers: int = 1 << 16
     max_frame_nbytes: int = MAX_FRAME_NBYTES
     max_control_payload_nbytes: int = MAX_CONTROL_PAYLOAD_NBYTES
 
@@ -111,6 +133,14 @@ class FrameHeader:
     def frame_nbytes(self) -> int:
         return HEADER_NBYTES + self.block_ids_nbytes + self.payload_nbytes
 
+    def num_layers(self, block_nbytes: int) -> int:
+        """Layers a LAYER (1) or LAYERS frame carries; 0 for other frames."""
+        if self.frame_type is FrameType.LAYER:
+            return 1
+        if self.frame_type is FrameType.LAYERS:
+            return self.payload_nbytes // (self.num_block_ids * block_nbytes)
+        return 0
+
 
 _NIL_UUID = bytes(16)
 
@@ -118,6 +148,12 @@ _NIL_UUID = bytes(16)
 def _token_bytes(token: FencingToken | None) -> tuple[bytes, int]:
     if token is None:
         return _NIL_UUID, 0
+    return _ticket_bytes(token)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ticket_bytes(token: FencingToken) -> tuple[bytes, int]:
+    """A ticket's wire form (cached: every frame of a ticket names it)."""
     try:
         ticket_uuid = uuid.UUID(token.ticket_id)
     except ValueError as exc:
@@ -154,15 +190,35 @@ def encode_block_ids(block_ids: np.ndarray | list[int] | tuple[int, ...]) -> tup
     return ids.astype("<u8").tobytes(), FLAG_BLOCK_IDS_U64
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedBlockIds:
+    """Block ids in wire form, encoded once for the frames of a ticket that all name them."""
+
+    data: bytes
+    flags: int
+    num_block_ids: int
+
+    @staticmethod
+    def of(block_ids: np.ndarray | list[int] | tuple[int, ...]) -> EncodedBlockIds:
+        data, flags = encode_block_ids(block_ids)
+        return EncodedBlockIds(data, flags, len(block_ids))
+
+
 def layer_frame_prefix(
-    token: FencingToken, layer: int, block_ids: np.ndarray, block_nbytes: int
+    token: FencingToken, layer: int, block_ids: np.ndarray | EncodedBlockIds, block_nbytes: int,
+    num_layers: int = 1,
 ) -> bytes:
-    """Header and block ids of a LAYER frame; the blocks' bytes follow (sent by the caller)."""
-    ids_bytes, flags = encode_block_ids(block_ids)
-    header = FrameHeader(
-        FrameType.LAYER, token, layer, len(block_ids), len(block_ids) * block_nbytes, flags
-    )
-    return encode_header(header) + ids_bytes
+    """Header and block ids of a LAYER frame (``num_layers`` 1) or of a LAYERS frame for layers
+    ``layer .. layer + num_layers - 1``; the blocks' bytes follow (sent by the caller)."""
+    if num_layers < 1:
+        raise FrameError(f"a layer frame carries >= 1 layers, got {num_layers}")
+    ids = block_ids if isinstance(block_ids, EncodedBlockIds) else EncodedBlockIds.of(block_ids)
+    frame_type = FrameType.LAYER if num_layers == 1 else FrameType.LAYERS
+    ticket_bytes, attempt = _token_bytes(token)
+    return _HEADER.pack(
+        MAGIC, FORMAT_VERSION, int(frame_type), ids.flags, ticket_bytes, attempt, layer,
+        ids.num_block_ids, num_layers * ids.num_block_ids * block_nbytes,
+    ) + ids.data
 
 
 def encode_frame(
@@ -172,10 +228,12 @@ def encode_frame(
     layer: int = 0,
     block_ids: np.ndarray | list[int] | tuple[int, ...] = (),
     payload: bytes = b"",
+    flags: int = 0,
 ) -> bytes:
-    """A whole frame in one buffer (control frames; LAYER frames use ``layer_frame_prefix``)."""
-    ids_bytes, flags = encode_block_ids(block_ids)
-    header = FrameHeader(frame_type, token, layer, len(block_ids), len(payload), flags)
+    """A whole frame in one buffer (control frames; LAYER frames use ``layer_frame_prefix``).
+    ``flags`` adds to the block-id width flag (e.g. ``FLAG_NO_ACK`` on a HELLO)."""
+    ids_bytes, id_flags = encode_block_ids(block_ids)
+    header = FrameHeader(frame_type, token, layer, len(block_ids), len(payload), flags | id_flags)
     return encode_header(header) + ids_bytes + payload
 
 
@@ -193,10 +251,9 @@ def decode_header(data: bytes | bytearray | memoryview, limits: FrameLimits) -> 
         raise FrameError(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
         raise FrameError(f"unsupported frame format version {version}")
-    try:
-        frame_type = FrameType(type_code)
-    except ValueError as exc:
-        raise FrameError(f"unknown frame type {type_code}") from exc
+    frame_type = _FRAME_TYPES.get(type_code)
+    if frame_type is None:
+        raise FrameError(f"unknown frame type {type_code}")
     if flags & ~_KNOWN_FLAGS:
         raise FrameError(f"unknown flags {flags:#x}")
     token = _decode_token(frame_type, ticket_bytes, attempt)
@@ -211,12 +268,20 @@ def _decode_token(frame_type: FrameType, ticket_bytes: bytes, attempt: int) -> F
         return None
     if attempt == 0:
         raise FrameError(f"{frame_type.name} frame with attempt 0")
+    return _token_of(ticket_bytes, attempt)
+
+
+@functools.lru_cache(maxsize=4096)
+def _token_of(ticket_bytes: bytes, attempt: int) -> FencingToken:
+    """The token a frame names (cached: every frame of a ticket names it; tokens are values)."""
     return FencingToken(ticket_id=str(uuid.UUID(bytes=ticket_bytes)), attempt=attempt)
 
 
 def _check_shape(header: FrameHeader, limits: FrameLimits) -> None:
     frame_type = header.frame_type
-    has_ids = frame_type in (FrameType.HELLO, FrameType.LAYER)
+    if header.flags & FLAG_NO_ACK and frame_type is not FrameType.HELLO:
+        raise FrameError(f"flags: NO_ACK on a {frame_type.name} frame")
+    has_ids = frame_type in _FRAMES_WITH_IDS
     if has_ids and not 1 <= header.num_block_ids <= limits.max_block_ids:
         raise FrameError(
             f"{frame_type.name} frame names {header.num_block_ids} blocks, "
@@ -224,8 +289,11 @@ def _check_shape(header: FrameHeader, limits: FrameLimits) -> None:
         )
     if not has_ids and header.num_block_ids != 0:
         raise FrameError(f"{frame_type.name} frame carries {header.num_block_ids} block ids")
-    if header.layer != 0 and frame_type not in (FrameType.LAYER, FrameType.ERROR):
+    if header.layer != 0 and frame_type not in (FrameType.LAYER, FrameType.LAYERS,
+                                                 FrameType.ERROR):
         raise FrameError(f"{frame_type.name} frame with layer {header.layer}")
+    if frame_type is FrameType.LAYERS:
+        _check_layers(header, limits)
     expected = _expected_payload_nbytes(header, limits)
     if expected is not None and header.payload_nbytes != expected:
         raise FrameError(
@@ -238,6 +306,22 @@ def _check_shape(header: FrameHeader, limits: FrameLimits) -> None:
             raise FrameError("ERROR frame without the refused frame type")
     if header.frame_nbytes > limits.max_frame_nbytes:
         raise FrameError(f"frame of {header.frame_nbytes} bytes > {limits.max_frame_nbytes}")
+
+
+_FRAMES_WITH_IDS = (FrameType.HELLO, FrameType.LAYER, FrameType.LAYERS)
+_FRAME_TYPES = {int(t): t for t in FrameType}
+
+
+def _check_layers(header: FrameHeader, limits: FrameLimits) -> None:
+    """A LAYERS payload is a whole number >= 1 of layers, ending at or before the last layer."""
+    layer_nbytes = header.num_block_ids * limits.block_nbytes
+    num_layers, rest = divmod(header.payload_nbytes, layer_nbytes)
+    if rest or num_layers < 1:
+        raise FrameError(f"LAYERS payload is {header.payload_nbytes} bytes, not a multiple >= 1 "
+                         f"of {layer_nbytes} (one layer of {header.num_block_ids} blocks)")
+    if header.layer + num_layers > limits.num_layers:
+        raise FrameError(f"LAYERS frame covers layers {header.layer}..{header.layer + num_layers - 1}"
+                         f", past layer {limits.num_layers - 1}")
 
 
 def _expected_payload_nbytes(header: FrameHeader, limits: FrameLimits) -> int | None:
