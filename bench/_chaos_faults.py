@@ -123,6 +123,11 @@ class ChaosResult:
     leaked_blocks: int = 0
     late_writes_accepted: int = 0
     refused_frames: int = 0
+    num_checksums_compared: int = 0
+    """Handoffs whose sent and accepted KV checksums were both seen (through the run)."""
+    checksum_mismatches: list[str] = field(default_factory=list)
+    orphaned_tickets: list[str] = field(default_factory=list)
+    """Tickets still open, or DONE and holding blocks, once the stack is idle."""
     scale_down: FaultRecord | None = None
     unexpected_failures: list[Outcome] = field(default_factory=list)
     expected_failures: list[Outcome] = field(default_factory=list)
@@ -503,3 +508,18 @@ async def _settle(stack: ChaosStack, monitor: FencingMonitor, result: ChaosResul
                                       final.late_writes_accepted,
                                       result.audit.late_writes_accepted)
     result.refused_frames = monitor.num_refused_frames
+    result.num_checksums_compared = max(monitor.num_checksums_compared,
+                                        result.audit.num_checksums_compared)
+    result.checksum_mismatches = sorted(set(monitor.checksum_mismatches)
+                                        | set(result.audit.checksum_mismatches))
+    result.orphaned_tickets = await asyncio.to_thread(_orphaned_tickets, stack)
+
+
+def _orphaned_tickets(stack: ChaosStack) -> list[str]:
+    target, options = channel_target(stack.s.coordinator_address)
+    with grpc.insecure_channel(target, options=options) as channel:
+        tickets = kv_transfer_pb2_grpc.KvTransferServiceStub(channel).ListTickets(
+            kv_transfer_pb2.ListTicketsRequest(limit=100_000), timeout=10).tickets
+    still_open = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
+    return [f"{t.token.ticket_id} {pb.TicketState.Name(t.state)}" for t in tickets
+            if t.state in still_open or (t.state == pb.TICKET_STATE_DONE and t.is_held)]

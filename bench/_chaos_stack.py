@@ -39,6 +39,7 @@ from helpers.private_postgres import PrivatePostgres
 from helpers.private_redis import PrivateRedis
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.common.convert import token_from_pb
 
 HarnessFailure = (Exception, pytest.fail.Exception)
 """What a failed wait of the e2e plumbing raises (``pytest.fail`` is not an ``Exception``)."""
@@ -236,13 +237,20 @@ class ChaosStack:
 
 @dataclass(slots=True)
 class FencingMonitor:
-    """Polls every worker's GetStatus and keeps, per worker id, the highest count of frames
-    refused and of late writes accepted it reported, so a worker killed later still counts."""
+    """Polls every worker's GetStatus through the run and keeps what a worker killed later
+    would take with it: per worker id, the highest count of frames refused and of late writes
+    accepted it reported; per handoff, the KV checksum the prefill side sent and the one the
+    decode side accepted (each worker keeps only its own recent ones, and only live workers
+    answer the final audit)."""
 
     stack: ChaosStack
     period_s: float = 2.0
     late_writes: dict[str, int] = field(default_factory=dict)
     refused_frames: dict[str, int] = field(default_factory=dict)
+    sent_checksums: dict[str, int] = field(default_factory=dict)
+    """Fencing token -> CRC-32 of the prompt KV as sent."""
+    accepted_checksums: dict[str, int] = field(default_factory=dict)
+    """Fencing token -> CRC-32 of the prompt KV as accepted."""
     _task: asyncio.Task[None] | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -263,10 +271,14 @@ class FencingMonitor:
                 await asyncio.wait_for(self._stop.wait(), self.period_s)
 
     async def poll_once(self) -> None:
-        workers = [w for w in self.stack.s.workers if w.returncode is None and w.grpc_address]
-        await asyncio.gather(*(self._poll(w) for w in workers))
+        s = self.stack.s
+        await asyncio.gather(*(
+            self._poll(worker, checksums)
+            for group, checksums in ((s.prefill_workers, self.sent_checksums),
+                                     (s.decode_workers, self.accepted_checksums))
+            for worker in group if worker.returncode is None and worker.grpc_address))
 
-    async def _poll(self, worker: ServiceProcess) -> None:
+    async def _poll(self, worker: ServiceProcess, checksums: dict[str, int]) -> None:
         try:
             async with grpc.aio.insecure_channel(worker.grpc_address) as channel:
                 status = await worker_pb2_grpc.WorkerAgentServiceStub(channel).GetStatus(
@@ -276,6 +288,8 @@ class FencingMonitor:
         key = worker.worker_id or worker.name
         self.late_writes[key] = max(self.late_writes.get(key, 0), status.num_late_writes_accepted)
         self.refused_frames[key] = max(self.refused_frames.get(key, 0), status.num_refused_frames)
+        for checksum in status.kv_checksums:
+            checksums[str(token_from_pb(checksum.token))] = checksum.crc32
 
     @property
     def num_late_writes_accepted(self) -> int:
@@ -284,6 +298,16 @@ class FencingMonitor:
     @property
     def num_refused_frames(self) -> int:
         return sum(self.refused_frames.values())
+
+    @property
+    def num_checksums_compared(self) -> int:
+        return len(self.sent_checksums.keys() & self.accepted_checksums.keys())
+
+    @property
+    def checksum_mismatches(self) -> list[str]:
+        """Handoffs whose accepted KV differs from what was sent."""
+        both = self.sent_checksums.keys() & self.accepted_checksums.keys()
+        return sorted(t for t in both if self.sent_checksums[t] != self.accepted_checksums[t])
 
 
 async def phases_of(stub: worker_pb2_grpc.WorkerAgentServiceStub) -> set[str]:

@@ -124,15 +124,16 @@ def summary_rows(result: ChaosResult, figures: dict[str, float]) -> list[list[st
         ["client errors (neither tokens nor a status)", str(c.client_errors), "0"],
         ["leaked blocks after settling", str(result.leaked_blocks), "0"],
         ["audit: ledgers vs workers' tables", "OK" if audit and audit.is_ok else "MISMATCH", "OK"],
-        ["audit: handoff checksums compared / mismatched",
-         (f"{audit.num_checksums_compared if audit else 0} / "
-          f"{len(audit.checksum_mismatches) if audit else 0}"), "- / 0"],
+        ["tickets left open (or DONE and holding) once idle", str(len(result.orphaned_tickets)),
+         "0"],
+        ["KV checksums, sent vs accepted: handoffs compared / mismatched",
+         f"{result.num_checksums_compared} / {len(result.checksum_mismatches)}", "- / 0"],
         ["late writes accepted (fencing)", str(result.late_writes_accepted), "0"],
         ["KV frames refused by receivers", str(result.refused_frames), ""],
-        ["Redis restart -> first successful request, s", _fmt(figures["redis_recovery_s"], 2), ""],
-        ["Redis restart -> all workers READY in routers' view, s",
+        ["Redis restart -> first successful request, s (worst of the restarts)", _fmt(figures["redis_recovery_s"], 2), ""],
+        ["Redis restart -> all workers READY in store and routers' views, s",
          _fmt(figures["redis_all_ready_s"], 2), ""],
-        ["governor takeover after kill -9 of the active one, s",
+        ["governor takeover after kill -9 of the active one, s (worst)",
          _fmt(figures["governor_takeover_s"], 2), ""],
         ["durable records lost across the Postgres outage", str(figures["durable_records_lost"]),
          "0"],
@@ -144,10 +145,19 @@ def summary_rows(result: ChaosResult, figures: dict[str, float]) -> list[list[st
     ]
 
 
-def _first(result: ChaosResult, name: str, key: str) -> float:
-    record = result.fault(name)
-    value = record.details.get(key) if record is not None else None
-    return float(value) if isinstance(value, (int, float)) else float("nan")
+def _worst(result: ChaosResult, name: str, key: str) -> float:
+    """The largest ``details[key]`` over the faults named ``name`` (nan if none has it)."""
+    values = [float(f.details[key]) for f in result.faults
+              if f.name == name and isinstance(f.details.get(key), (int, float))]
+    return max(values) if values else float("nan")
+
+
+def failure_codes(result: ChaosResult) -> str:
+    codes: dict[str, int] = {}
+    for outcome in [*result.expected_failures, *result.unexpected_failures]:
+        key = f"{outcome.code} ({'after' if outcome.num_tokens else 'before'} the first token)"
+        codes[key] = codes.get(key, 0) + 1
+    return ", ".join(f"{code}: {num}" for code, num in sorted(codes.items())) or "none"
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -162,11 +172,14 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None, help="requests/s (open loop)")
     parser.add_argument("--min-accepted", type=int, default=None)
     parser.add_argument("--postgres-down-s", type=float, default=None)
+    parser.add_argument("--num-prefill", type=int, default=2)
+    parser.add_argument("--num-decode", type=int, default=2)
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput runs")
     args = parser.parse_args()
     quick = args.quick
     plan = ChaosPlan(
         rate_rps=args.rate or (4.0 if quick else 6.0),
+        min_rounds=1 if quick else 2,
         min_accepted=args.min_accepted if args.min_accepted is not None else
         (150 if quick else 1000),
         max_duration_s=120.0 if quick else 360.0,
@@ -175,7 +188,7 @@ def main() -> None:
         scale_down_hold_s=3.0 if quick else 8.0,
         seed=args.seed,
     )
-    config = ChaosConfig()
+    config = ChaosConfig(num_prefill=args.num_prefill, num_decode=args.num_decode)
     began = time.monotonic()
     log(f"plan {plan}")
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as work:
@@ -192,10 +205,10 @@ def main() -> None:
     chaos_s = time.monotonic() - began
 
     figures: dict[str, float] = {
-        "redis_recovery_s": _first(result, "redis_restart", "first_success_s"),
-        "redis_all_ready_s": _first(result, "redis_restart", "all_ready_s"),
-        "governor_takeover_s": _first(result, "kill_governor", "takeover_s"),
-        "durable_records_lost": int(_first(result, "postgres_down", "records_lost"))
+        "redis_recovery_s": _worst(result, "redis_restart", "first_success_s"),
+        "redis_all_ready_s": _worst(result, "redis_restart", "all_ready_s"),
+        "governor_takeover_s": _worst(result, "kill_governor", "takeover_s"),
+        "durable_records_lost": int(_worst(result, "postgres_down", "records_lost"))
         if result.fault("postgres_down") else -1,
     }
     if not args.no_goodput:
@@ -216,6 +229,7 @@ def main() -> None:
     print(fault_table(result))
     print()
     print(_table(["figure", "value", "required"], summary_rows(result, figures)))
+    print(f"\nfailures by status: {failure_codes(result)}")
     if result.unexpected_failures:
         print("\nunexpected failures (first 10):")
         for outcome in result.unexpected_failures[:10]:
@@ -225,6 +239,8 @@ def main() -> None:
     if result.audit is not None and not result.audit.is_ok:
         from pdserve.cli.audit import format_report
         print("\naudit:\n" + format_report(result.audit))
+    if result.orphaned_tickets:
+        print("\norphaned tickets: " + "; ".join(result.orphaned_tickets[:10]))
     if result.idle_ledger_problems:
         print("\nledgers not free once idle: " + "; ".join(result.idle_ledger_problems))
     if not_injected:
@@ -252,7 +268,9 @@ def main() -> None:
         "refused_at_admission": c.refused,
         "client_errors": c.client_errors,
         "audit_ok": bool(result.audit and result.audit.is_ok),
-        "checksum_mismatches": len(result.audit.checksum_mismatches) if result.audit else -1,
+        "checksums_compared": result.num_checksums_compared,
+        "checksum_mismatches": len(result.checksum_mismatches),
+        "orphaned_tickets": len(result.orphaned_tickets),
         "governor_takeover_s": num(figures["governor_takeover_s"]),
         "durable_records_lost": figures["durable_records_lost"],
         "capacity_rps": num(figures.get("capacity_rps", float("nan"))),
