@@ -456,7 +456,7 @@ async def run_chaos(stack: ChaosStack, plan: ChaosPlan) -> ChaosResult:
         num_rounds += 1
         if num_rounds >= plan.min_rounds and _is_enough(load, plan, started):
             break
-    while Counts.of(load.outcomes).accepted + load.num_in_flight < plan.min_accepted \
+    while Counts.of(load.outcomes).accepted < plan.min_accepted \
             and time.monotonic() - started < plan.max_duration_s:
         await asyncio.sleep(1.0)  # enough faults: serve on until enough requests
     if background is not None:
@@ -479,7 +479,7 @@ async def run_chaos(stack: ChaosStack, plan: ChaosPlan) -> ChaosResult:
 def _is_enough(load: OpenLoopLoad, plan: ChaosPlan, started: float) -> bool:
     if time.monotonic() - started >= plan.max_duration_s:
         return True
-    return Counts.of(load.outcomes).accepted + load.num_in_flight >= plan.min_accepted
+    return Counts.of(load.outcomes).accepted >= plan.min_accepted
 
 
 async def _progress(load: OpenLoopLoad, started: float, period_s: float = 10.0) -> None:

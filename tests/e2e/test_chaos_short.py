@@ -77,7 +77,7 @@ def test_every_fault_was_injected_and_recovered_from(result: ChaosResult) -> Non
 
 def test_no_request_hung_or_was_truncated_and_failures_are_clean(result: ChaosResult) -> None:
     counts: Counts = result.counts
-    assert counts.accepted >= PLAN.min_accepted, counts
+    assert counts.accepted >= PLAN.min_accepted, counts  # the load ran until there were enough
     assert counts.hung == 0, counts
     assert counts.truncated == 0, counts
     assert counts.client_errors == 0, [o for o in result.outcomes if o.kind == "client_error"][:3]
