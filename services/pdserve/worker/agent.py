@@ -111,16 +111,6 @@ class ControlPlane(Protocol):
     async def release(self, token: FencingToken) -> None: ...
 
 
-class ControlPlane(Protocol):
-    """What the agent tells the coordinator. Calls are best effort and off the token path."""
-
-    async def report(self, token: FencingToken, state: TicketState, timing: TransferTiming | None) -> None: ...
-
-    async def renew(self, token: FencingToken, lease_s: float) -> None: ...
-
-    async def release(self, token: FencingToken) -> None: ...
-
-
 @runtime_checkable
 class ExpertParallelEngine(Protocol):
     """An engine that spreads MoE experts over its GPUs (expert parallelism): it counts the
