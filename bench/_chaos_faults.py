@@ -196,8 +196,8 @@ class Injector:
             record.recovered_s = time.monotonic()
 
     async def _kill_worker(self, record: FaultRecord, role: str, phase: str) -> None:
-        s = self.stack.s
-        group = s.prefill_workers if role == "prefill" else s.decode_workers
+        services = self.stack.services
+        group = services.prefill_workers if role == "prefill" else services.decode_workers
         victim = await catch_in_phase(group, phase)
         if victim is None:
             record.error = f"no {role} worker was seen {phase} within 20s"
@@ -218,13 +218,13 @@ class Injector:
     def _wait_not_ready(self, worker_id: str, timeout_s: float) -> bool:
         def gone() -> bool:
             return not any(w.worker_id == worker_id and w.state == pb.WORKER_STATE_READY
-                           for w in list_workers(self.stack.s.pool_address("decode")))
+                           for w in list_workers(self.stack.services.pool_address("decode")))
         return wait_until(gone, timeout_s, 0.1)
 
     async def _kill_replica(self, record: FaultRecord, kind: str) -> None:
-        s = self.stack.s
-        group = {"coordinator": s.coordinators, "prefill_pool": s.prefill_pools,
-                 "decode_pool": s.decode_pools, "router": s.routers}[kind]
+        services = self.stack.services
+        group = {"coordinator": services.coordinators, "prefill_pool": services.prefill_pools,
+                 "decode_pool": services.decode_pools, "router": services.routers}[kind]
         victim = group[self.rng.randrange(len(group))]
         record.victim = victim.name
         record.injected_s = time.monotonic()
@@ -286,11 +286,11 @@ class Injector:
             record.details["first_success_s"] = round(success_s, 2)
 
     async def _stall_transfer(self, record: FaultRecord) -> None:
-        s = self.stack.s
-        skewed = [w for w in s.prefill_workers if w.name in self.stack.skewed]
-        victim = await catch_in_phase(skewed or s.prefill_workers, "sending")
+        services = self.stack.services
+        skewed = [w for w in services.prefill_workers if w.name in self.stack.skewed]
+        victim = await catch_in_phase(skewed or services.prefill_workers, "sending")
         if victim is None and skewed:
-            victim = await catch_in_phase(s.prefill_workers, "sending")
+            victim = await catch_in_phase(services.prefill_workers, "sending")
         if victim is None:
             record.error = "no prefill worker was seen sending within 20s"
             return
@@ -332,7 +332,7 @@ class Injector:
 
 
 def _remote_done_ticket_ids(stack: ChaosStack) -> set[str]:
-    target, options = channel_target(stack.s.coordinator_address)
+    target, options = channel_target(stack.services.coordinator_address)
     with grpc.insecure_channel(target, options=options) as channel:
         tickets = kv_transfer_pb2_grpc.KvTransferServiceStub(channel).ListTickets(
             kv_transfer_pb2.ListTicketsRequest(state=pb.TICKET_STATE_DONE, limit=100_000),
@@ -367,7 +367,7 @@ def _missing_transfer_stats(stack: ChaosStack, ticket_ids: set[str], timeout_s: 
 
 
 def _set_target(stack: ChaosStack, role: str, num_workers: int) -> None:
-    target, options = channel_target(stack.s.pool_address(role))
+    target, options = channel_target(stack.services.pool_address(role))
     with grpc.insecure_channel(target, options=options) as channel:
         pool_pb2_grpc.PoolServiceStub(channel).SetTargetSize(pool_pb2.SetTargetSizeRequest(
             deployment=MODEL, num_workers=num_workers, set_by="governor",
@@ -379,7 +379,6 @@ async def scale_down(stack: ChaosStack, hold_s: float) -> FaultRecord:
     """Halve each pool under load through the pool managers' SetTargetSize (the governor's
     path); done when only the kept workers are listed and all of them are READY."""
     record = FaultRecord("scale_down", victim="half of each pool")
-    stack.is_supervising = False
     num_prefill, num_decode = stack.expected_counts()
     keep = {"prefill": max(1, num_prefill // 2), "decode": max(1, num_decode // 2)}
     log(f"scale-down: {num_prefill}+{num_decode} -> {keep['prefill']}+{keep['decode']}")
@@ -390,7 +389,7 @@ async def scale_down(stack: ChaosStack, hold_s: float) -> FaultRecord:
     def is_halved() -> bool:
         # Drained workers leave the store; records of workers killed earlier stay FAILED
         # until they expire and do not count.
-        live = [w for w in list_workers(stack.s.pool_address("decode"))
+        live = [w for w in list_workers(stack.services.pool_address("decode"))
                 if w.state != pb.WORKER_STATE_FAILED]
         return len(live) == sum(keep.values()) and stack.ready_in_pools() == keep
 
@@ -400,7 +399,7 @@ async def scale_down(stack: ChaosStack, hold_s: float) -> FaultRecord:
         record.recovered_s = time.monotonic()
     else:
         record.error = f"pools not halved within 90s: {stack.ready_in_pools()}"
-    for group in (stack.s.prefill_workers, stack.s.decode_workers):
+    for group in (stack.services.prefill_workers, stack.services.decode_workers):
         group[:] = [w for w in group if w.returncode is None]  # the drained ones left
     return record
 
@@ -428,7 +427,7 @@ async def run_chaos(stack: ChaosStack, plan: ChaosPlan) -> ChaosResult:
     counters)."""
     rng = random.Random(plan.seed)
     monitor = FencingMonitor(stack).start()
-    load = OpenLoopLoad(stack.s.router_addresses, plan.rate_rps,
+    load = OpenLoopLoad(stack.services.router_addresses, plan.rate_rps,
                         prompt_tokens=plan.prompt_tokens, max_tokens=plan.max_tokens,
                         seed=plan.seed).start()
     started = time.monotonic()
@@ -495,11 +494,11 @@ async def _settle(stack: ChaosStack, monitor: FencingMonitor, result: ChaosResul
     """Once idle: the audit (ledgers vs workers' tables, checksums, late writes) until clean,
     every ledger free, then every block still in use anywhere counts as leaked."""
     log("settling: pdserve audit")
-    s = stack.s
-    result.audit = await settled_audit(s, settle_s=30.0)
-    result.idle_ledger_problems = await settled_idle_ledgers(s, timeout_s=30.0)
-    final = await audit(s.coordinator_address,
-                        [s.pool_address("prefill"), s.pool_address("decode")], MODEL, 0.0)
+    services = stack.services
+    result.audit = await settled_audit(services, settle_s=30.0)
+    result.idle_ledger_problems = await settled_idle_ledgers(services, timeout_s=30.0)
+    final = await audit(services.coordinator_address,
+                        [services.pool_address("prefill"), services.pool_address("decode")], MODEL, 0.0)
     result.leaked_blocks = (sum(max(d.ledger_used_blocks, d.worker_used_blocks)
                                 for d in final.decode)
                             + sum(final.prefill_blocks_in_use.values()))
@@ -516,7 +515,7 @@ async def _settle(stack: ChaosStack, monitor: FencingMonitor, result: ChaosResul
 
 
 def _orphaned_tickets(stack: ChaosStack) -> list[str]:
-    target, options = channel_target(stack.s.coordinator_address)
+    target, options = channel_target(stack.services.coordinator_address)
     with grpc.insecure_channel(target, options=options) as channel:
         tickets = kv_transfer_pb2_grpc.KvTransferServiceStub(channel).ListTickets(
             kv_transfer_pb2.ListTicketsRequest(limit=100_000), timeout=10).tickets

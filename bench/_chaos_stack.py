@@ -104,8 +104,6 @@ class ChaosStack:
         self.governors: list[ServiceProcess] = []
         self.skewed: set[str] = set()
         """Names of the workers with a skewed clock."""
-        self.is_supervising = True
-        """False once a scale-down may make workers leave on purpose."""
 
     # -- start and stop -------------------------------------------------------------------------
 
@@ -176,25 +174,26 @@ class ChaosStack:
     # -- views ----------------------------------------------------------------------------------
 
     @property
-    def s(self) -> Stack:
+    def services(self) -> Stack:
+        """The e2e fault-test stack underneath (its process groups, addresses, restarts)."""
         assert self.stack is not None, "not started"
         return self.stack
 
     def expected_counts(self) -> tuple[int, int]:
-        return len(self.s.prefill_workers), len(self.s.decode_workers)
+        return len(self.services.prefill_workers), len(self.services.decode_workers)
 
     def is_full_strength(self) -> bool:
         """Every router answers and sees every worker READY."""
         expected = self.expected_counts()
-        return all(ready_counts(r.grpc_address) == expected for r in self.s.routers)
+        return all(ready_counts(r.grpc_address) == expected for r in self.services.routers)
 
     def wait_full_strength(self, timeout_s: float = 45.0) -> bool:
         return wait_until(self.is_full_strength, timeout_s, 0.1)
 
     def group_of(self, process: ServiceProcess) -> list[ServiceProcess]:
-        s = self.s
-        for group in (s.coordinators, s.prefill_pools, s.decode_pools, s.routers,
-                      s.prefill_workers, s.decode_workers, self.governors):
+        services = self.services
+        for group in (services.coordinators, services.prefill_pools, services.decode_pools, services.routers,
+                      services.prefill_workers, services.decode_workers, self.governors):
             if any(p is process for p in group):
                 return group
         raise ValueError(f"{process.name} is not in the stack")
@@ -217,7 +216,7 @@ class ChaosStack:
     def ready_in_pools(self) -> dict[str, int]:
         """READY workers of each role in the shared store."""
         counts = {"prefill": 0, "decode": 0}
-        for info in list_workers(self.s.pool_address("decode")):
+        for info in list_workers(self.services.pool_address("decode")):
             if info.state == pb.WORKER_STATE_READY:
                 counts["prefill" if info.role == pb.WORKER_ROLE_PREFILL else "decode"] += 1
         return counts
@@ -229,7 +228,7 @@ class ChaosStack:
         old settings, clock skew included, under a new id) in ``old``'s slot; waits for its
         'ready' line."""
         group = self.group_of(old)
-        new = self.s.restart(old)
+        new = self.services.restart(old)
         group[next(i for i, p in enumerate(group) if p is old)] = new
         new.wait_ready()
         return new
@@ -271,11 +270,11 @@ class FencingMonitor:
                 await asyncio.wait_for(self._stop.wait(), self.period_s)
 
     async def poll_once(self) -> None:
-        s = self.stack.s
+        services = self.stack.services
         await asyncio.gather(*(
             self._poll(worker, checksums)
-            for group, checksums in ((s.prefill_workers, self.sent_checksums),
-                                     (s.decode_workers, self.accepted_checksums))
+            for group, checksums in ((services.prefill_workers, self.sent_checksums),
+                                     (services.decode_workers, self.accepted_checksums))
             for worker in group if worker.returncode is None and worker.grpc_address))
 
     async def _poll(self, worker: ServiceProcess, checksums: dict[str, int]) -> None:
