@@ -28,8 +28,10 @@ import asyncio
 import os
 import random
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from _chaos_load import Counts, OpenLoopLoad, is_refused, overlapping
@@ -522,3 +524,23 @@ def _orphaned_tickets(stack: ChaosStack) -> list[str]:
     still_open = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
     return [f"{t.token.ticket_id} {pb.TicketState.Name(t.state)}" for t in tickets
             if t.state in still_open or (t.state == pb.TICKET_STATE_DONE and t.is_held)]
+
+
+def has_problems(result: ChaosResult) -> bool:
+    """Any must-be-zero figure that is not, or a fault that could not be injected."""
+    c = result.counts
+    return bool(c.hung or c.truncated or c.client_errors or result.unexpected_failures
+                or result.leaked_blocks or result.late_writes_accepted or result.orphaned_tickets
+                or result.checksum_mismatches or result.idle_ledger_problems
+                or result.audit is None or not result.audit.is_ok
+                or result.failed_during_scale_down > 0
+                or any(f.error for f in result.faults))
+
+
+def save_logs(stack: ChaosStack, logs_dir: str) -> Path:
+    """Every process's captured output, one file per process (restarts numbered by pid)."""
+    folder = Path(logs_dir) if logs_dir else Path(tempfile.mkdtemp(prefix="pdserve-chaos-logs-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    for process in stack.processes:
+        (folder / f"{process.name}-{process.pid}.log").write_text(process.output + "\n")
+    return folder

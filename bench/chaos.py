@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _chaos_faults import ChaosPlan, ChaosResult, FaultRecord, run_chaos
+from _chaos_faults import ChaosPlan, ChaosResult, FaultRecord, has_problems, run_chaos, save_logs
 from _chaos_load import overlapping
 from _chaos_stack import ChaosConfig, ChaosStack, log
 
@@ -175,6 +175,9 @@ def main() -> None:
     parser.add_argument("--num-prefill", type=int, default=2)
     parser.add_argument("--num-decode", type=int, default=2)
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput runs")
+    parser.add_argument("--logs-dir", default="",
+                        help="write every process's output here (always done, to a new temporary "
+                        "folder, when a must-be-zero figure is not)")
     args = parser.parse_args()
     quick = args.quick
     plan = ChaosPlan(
@@ -203,6 +206,7 @@ def main() -> None:
             log("stopping the stack")
             stack.close()
     chaos_s = time.monotonic() - began
+    logs_dir = save_logs(stack, args.logs_dir) if args.logs_dir or has_problems(result) else None
 
     figures: dict[str, float] = {
         "redis_recovery_s": _worst(result, "redis_restart", "first_success_s"),
@@ -245,6 +249,8 @@ def main() -> None:
         print("\nledgers not free once idle: " + "; ".join(result.idle_ledger_problems))
     if not_injected:
         print(f"\nfaults not injected: {', '.join(not_injected)}")
+    if logs_dir is not None:
+        print(f"\nprocess logs: {logs_dir}")
     print(f"\nchaos part {chaos_s:.0f} s, all {time.monotonic() - began:.0f} s")
 
     def num(value: float, digits: int = 3) -> float | None:

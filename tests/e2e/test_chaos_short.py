@@ -28,7 +28,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from _chaos_faults import ChaosPlan, ChaosResult, run_chaos
+from _chaos_faults import ChaosPlan, ChaosResult, has_problems, run_chaos, save_logs
 from _chaos_load import Counts
 from _chaos_stack import ChaosConfig, ChaosStack
 
@@ -63,6 +63,8 @@ def result(chaos_stack: ChaosStack) -> ChaosResult:
     for fault in result.faults:
         print(f"  {fault.name}: {fault.victim} recovered after {fault.recovery_s:.1f}s "
               f"{fault.details} {fault.error}")
+    if has_problems(result):  # every process's output, for whoever reads the failure
+        print(f"process logs: {save_logs(chaos_stack, str(chaos_stack.work_dir / 'logs'))}")
     return result
 
 
