@@ -54,6 +54,7 @@ from pdserve.capacity.autoscaler import (
     size_pools,
 )
 from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
+from pdserve.common.plotting import pyplot
 from pdserve.sim import ClusterSpec, SimConfig, SloSpec, simulate
 from pdserve.sim.result import MissReason
 from pdserve.sim.traces import (
@@ -223,11 +224,9 @@ def run_policy(name: str, setup: Setup) -> dict[str, Any]:
 
 def plot(path: Path, demand: DayDemand, trace: Trace, runs: dict[str, dict[str, Any]],
          tp_size: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     edges = np.arange(0.0, demand.shape.duration_s + 60.0, 60.0)
     counts, _ = np.histogram(trace.arrival_s, bins=edges)

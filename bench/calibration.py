@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.capacity import calibration as cal
+from pdserve.common.plotting import pyplot
 from pdserve.capacity.perf_model import Efficiency, perf_model_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,11 +105,9 @@ def _errors_by_phase(samples: list[cal.ProfileSample], predicted: np.ndarray
 
 
 def plot(samples: list[cal.ProfileSample], result: cal.CalibrationResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     before = cal.predict_s(samples, Efficiency())
     fits = {(m, g): e for m, g, e in result.by_model_gpu}
     after = np.empty(len(samples))

@@ -47,6 +47,7 @@ from pdserve.capacity.eplb import (
 )
 from pdserve.capacity.eplb_migration import align_to_current
 from pdserve.capacity.eplb_packing import replicate_greedy
+from pdserve.common.plotting import MISSING_NOTE, pyplot
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOADS = ROOT.parent / "shared" / "data" / "eplb_loads.json.gz"
@@ -191,7 +192,8 @@ def run_placement_table(matrices: dict[str, np.ndarray]) -> tuple[dict, dict, li
                 }
             gain = ref[0].mean() / base[0].mean() - 1.0
             rows.append(
-                {"label": label, "base": base[0].mean(), "ours": ref[0].mean(), "bound": bound}
+                {"label": label, "base": base[0].mean(), "ours": ref[0].mean(), "bound": bound,
+                 "node_base": base[1], "node_ours": ref[1]}
             )
             print(
                 f"{name:<6} {key:<23}| {base[0].mean():>11.4f} {base[0].min():6.4f} |"
@@ -345,13 +347,9 @@ def run_memory_tradeoff(matrices: dict[str, np.ndarray], key: str) -> dict:
 
 
 def write_plot(rows: list[dict], series: dict) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not installed: no plot written"
+    plt = pyplot()
+    if plt is None:
+        return MISSING_NOTE
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(1, 4, figsize=(24, 5.5))
     positions = np.arange(len(rows))

@@ -40,6 +40,7 @@ import numpy as np
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.common.plotting import pyplot
 
 MODEL = "llama-3.1-8b"
 PROMPT = list(range(1, 257))
@@ -246,12 +247,8 @@ def main() -> None:
           f"mode; spans exported with tracing on: {num_spans})")
     out = Path(__file__).resolve().parent / "out"
     out.mkdir(exist_ok=True)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(7, 4))
         for mode, values in c1_off.items():
             ax.plot(np.sort(values), np.linspace(0, 1, len(values)), label=f"{mode} (tracing off)")
@@ -264,8 +261,6 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(out / "overhead.png", dpi=120)
         print(f"plot: {out / 'overhead.png'}")
-    except ImportError:
-        print("matplotlib is not installed: no plot")
 
     base = c1_off["baseline"]
     print(json.dumps({

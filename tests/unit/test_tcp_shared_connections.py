@@ -111,6 +111,30 @@ async def _rig(layout: KvLayout = LAYOUT, **settings: object) -> AsyncIterator[R
         tcp.close_sender_connections()
 
 
+class _Trickle:
+    """A socket whose first send takes one small piece of the frame and whose later sends find
+    the buffer full until ``is_holding`` is cleared: a frame is caught half written whatever
+    the kernel's socket buffers would have absorbed."""
+
+    def __init__(self, sock: socket.socket, first_nbytes: int = 4096) -> None:
+        self._sock = sock
+        self._first_nbytes = first_nbytes
+        self.num_bytes_sent = 0
+        self.is_holding = True
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        if not self.is_holding:
+            return self._sock.sendmsg(buffers)
+        if self.num_bytes_sent:
+            raise BlockingIOError
+        sent = self._sock.sendmsg([memoryview(buffers[0]).cast("B")[: self._first_nbytes]])
+        self.num_bytes_sent += sent
+        return sent
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
 async def _eventually(predicate: Callable[[], bool], what: str) -> None:
     for _ in range(5000):
         if predicate():
@@ -232,11 +256,16 @@ async def test_a_sender_cancelled_mid_frame_leaves_the_shared_stream_whole() -> 
         big_sender = rig.backend.create_sender(rig.cache_a)
         await big_sender.open(rig.spec(big_dst), big)
         io = big_sender._connection.io  # type: ignore[union-attr]
-        offer = asyncio.ensure_future(big_sender.offer_layer(0, big_src))  # 8 MiB: many writes
-        await _eventually(lambda: io._is_writing, "the frame is half written")
+        trickle = _Trickle(io.sock)
+        io.sock = trickle  # type: ignore[assignment]
+        offer = asyncio.ensure_future(big_sender.offer_layer(0, big_src))  # 8 MiB
+        await _eventually(lambda: io._is_writing and trickle.num_bytes_sent > 0,
+                          "the frame is half written")
         offer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await offer
+        assert 0 < trickle.num_bytes_sent < 8 << 20  # the cancel came mid-frame
+        trickle.is_holding = False  # the rest of the frame may go now
         await big_sender.abort("cancelled")
 
         await rig.send(small, [15], [0])  # behind the rest of the big frame, on the same stream
@@ -264,9 +293,12 @@ async def test_a_sender_waiting_to_write_fails_when_the_connection_closes(closed
                       FencingToken.new())
     peer, _ = await accepted
     try:
-        offer = asyncio.ensure_future(sender.offer_layer(0, list(range(16))))  # 16 MiB
         io = sender._connection.io  # type: ignore[union-attr]
-        await _eventually(lambda: io._is_writing, "the sender waits for room")
+        trickle = _Trickle(io.sock)  # the buffers stay full, however large the kernel's are
+        io.sock = trickle  # type: ignore[assignment]
+        offer = asyncio.ensure_future(sender.offer_layer(0, list(range(16))))  # 16 MiB
+        await _eventually(lambda: io._is_writing and trickle.num_bytes_sent > 0,
+                          "the sender waits for room")
         if closed_by == "peer":
             peer.close()
         else:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.common.plotting import pyplot
 
 CONFIGS: dict[str, tuple[int, int, int, int, str]] = {
     "ep320": (320, 320, 40, 8, "global"),
@@ -261,17 +262,16 @@ def _report(title: str, before: Side, after: Side, num_nodes: int,
     if len(order) < num_gpus:
         print(f"... {num_gpus - len(order)} lighter GPUs not shown (--max-rows 0 lists all)")
     if str(args.png) != "-":
-        draw_heat_map(before, after, title, args.png)
-        print(f"heat map: {args.png}")
+        if draw_heat_map(before, after, title, args.png):
+            print(f"heat map: {args.png}")
 
 
-def draw_heat_map(before: Side, after: Side, title: str, path: Path) -> None:
-    """Two panels, GPU (x) by layer (y), colour = load over the layer's mean GPU load."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw_heat_map(before: Side, after: Side, title: str, path: Path) -> bool:
+    """Two panels, GPU (x) by layer (y), colour = load over the layer's mean GPU load.
+    Returns False (and draws nothing) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
     vmax = float(max(before.relative.max(), after.relative.max()))
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True, constrained_layout=True)
     image = None
@@ -287,3 +287,4 @@ def draw_heat_map(before: Side, after: Side, title: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.cli.capacity_cmd import parse_int_list, table
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.common.plotting import pyplot
 
 DEFAULT_TP_SIZES = "1,2,4,8"
 
@@ -127,12 +128,8 @@ def _shapes(args: argparse.Namespace, text: str | None) -> tuple[Any, ...]:
 def plot_sweep(points: Sequence[Any], marked: dict[str, float], path: Path, title: str) -> bool:
     """Goodput per GPU vs prefill:decode GPU ratio; ``marked`` labels vertical lines at given
     ratios. Returns False (and draws nothing) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axis = plt.subplots(figsize=(7, 4.2))
     ratios = [p.config.pd_ratio for p in points]

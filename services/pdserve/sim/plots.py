@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve.common.errors import PdserveError
+from pdserve.common.plotting import MISSING_NOTE, pyplot
 from pdserve.sim.config import SloSpec
 from pdserve.sim.report import time_series
 from pdserve.sim.result import SimResult
@@ -22,14 +23,9 @@ def plot_timeline(result: SimResult, path: Path, *, bin_s: float | None = None,
                   slo: SloSpec | None = None, title: str = "") -> Path:
     """Write three stacked panels to ``path``: arrival rate, instances (serving and starting,
     per pool) and the SLO attainment of the requests arriving in each interval."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise PlotUnavailableError(
-            f"matplotlib is not installed ({exc}); install pdserve[plots] for plots") from None
+    plt = pyplot()
+    if plt is None:
+        raise PlotUnavailableError(MISSING_NOTE)
     series = time_series(result, bin_s, slo)
     slo = slo or result.config.slo
     minutes = series.start_s / 60.0
