@@ -51,11 +51,12 @@ from e2e.faults import (
     settled_idle_ledgers,
     wait_until,
 )
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, pool_pb2, pool_pb2_grpc
 from pdserve.cli.audit import AuditReport, audit
-from pdserve.common.durable import SPOOL_SUFFIX
 from pdserve.common.grpc_client import channel_target
+from pdserve.db.durable import SPOOL_SUFFIX
 
 WORKER_FAULTS = ("kill_prefill_prefilling", "kill_prefill_sending", "kill_decode_decoding")
 CONTROL_PLANE_FAULTS = ("kill_coordinator", "kill_prefill_pool", "kill_decode_pool",

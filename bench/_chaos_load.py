@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import _chaos_stack  # noqa: F401 - puts tests/ on sys.path
 import grpc
 from e2e.faults import HANG_S, MODEL, Outcome
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.common.grpc_client import channel_target

@@ -37,6 +37,7 @@ from e2e.faults import (
 )
 from helpers.private_postgres import PrivatePostgres
 from helpers.private_redis import PrivateRedis
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_from_pb

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.capacity import calibration as cal
 from pdserve.common.plotting import pyplot
-from pdserve.capacity.perf_model import Efficiency, perf_model_for
+from pdserve.perf import calibration as cal
+from pdserve.perf.perf_model import Efficiency, perf_model_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CSV = ROOT.parent / "shared" / "data" / "traces" / "splitwise_sim_perf_model.csv"

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from pdserve.capacity.eplb import (
     DEEPSEEK_V3_EXPERT_BYTES,
     DecodeCapacity,

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from pdserve.capacity import colocated as co
 from pdserve.capacity import planner as pl
 from pdserve.cli.capacity_cmd import table

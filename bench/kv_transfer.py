@@ -52,7 +52,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from pdserve.state.types import FencingToken, WorkerRole, WorkerState
+
+from pdserve.common.types import FencingToken, WorkerRole, WorkerState
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports import registry

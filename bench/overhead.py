@@ -38,8 +38,14 @@ import grpc
 import numpy as np
 
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import pool_pb2, pool_pb2_grpc, router_pb2, router_pb2_grpc
-from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.api.v1 import (
+    pool_pb2,
+    pool_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from pdserve.common.plotting import pyplot
 
 MODEL = "llama-3.1-8b"

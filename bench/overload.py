@@ -45,6 +45,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -282,7 +283,7 @@ async def leaked_blocks(address: str, model: str) -> int:
 
 def estimated_rate_rps(workload: Workload = WORKLOAD) -> float:
     """What the prefill pool can do by the performance model (the sweep's centre)."""
-    from pdserve.capacity.perf_model import perf_model_for
+    from pdserve.perf.perf_model import perf_model_for
 
     prefill_s = perf_model_for(workload.model, workload.gpu).prefill_time_s(
         [workload.num_prompt_tokens]) / workload.speedup

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.common.certs import make_dev_certs
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.base import KvDestinationSpec

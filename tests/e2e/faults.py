@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from helpers.private_redis import free_port
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import (
     pool_pb2,

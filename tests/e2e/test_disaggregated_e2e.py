@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import grpc
 import pytest
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import (
     kv_transfer_pb2,
@@ -32,8 +33,8 @@ from pdserve.api.v1 import (
     worker_pb2_grpc,
 )
 from pdserve.common.grpc_client import error_from_rpc_error
+from pdserve.common.types import TicketState, WorkerRole, WorkerState
 from pdserve.db.repository import Repository
-from pdserve.state.types import TicketState, WorkerRole, WorkerState
 
 from .conftest import ServiceProcess, TraceCollector
 

@@ -27,8 +27,9 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.state.types import FencingToken, WorkerRole
+from pdserve.common.types import FencingToken, WorkerRole
 from pdserve.worker.engine import Sequence
 from pdserve.worker.transports.base import KvDestinationSpec, RejectReason, TransferFailedError
 

@@ -12,6 +12,7 @@ import collections
 
 import grpc
 import pytest
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
 from pdserve.common.grpc_client import channel_target

@@ -12,12 +12,13 @@ from pathlib import Path
 import grpc
 import pytest
 from helpers.private_postgres import PrivatePostgres, private_postgres
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-from pdserve.common.durable import SPOOL_SUFFIX
 from pdserve.common.grpc_client import channel_target
+from pdserve.common.types import WorkerState
+from pdserve.db.durable import SPOOL_SUFFIX
 from pdserve.db.repository import Repository
-from pdserve.state.types import WorkerState
 
 from .conftest import ServiceProcess, run_cli
 from .faults import (

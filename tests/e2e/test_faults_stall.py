@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 
 from .conftest import ServiceProcess

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 from google.rpc import error_details_pb2, status_pb2
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import (
     kv_transfer_pb2,

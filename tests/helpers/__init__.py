@@ -26,14 +26,14 @@ from pdserve.common.errors import (
     PdserveError,
     StaleTokenError,
 )
-from pdserve.state.factory import StateOptions, open_backend
-from pdserve.state.types import (
+from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
     FencingToken,
     TicketSpec,
     TicketState,
 )
+from pdserve.state.factory import StateOptions, open_backend
 
 T = TypeVar("T")
 

@@ -20,10 +20,19 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL
 
 from pdserve.common.errors import UnavailableError
-from pdserve.db import Repository, WorkerEventRecord, current, head, make_engine, normalize_url
-from pdserve.db import migrate, schema_diff, upgrade
+from pdserve.common.types import WorkerRole, WorkerState
+from pdserve.db import (
+    Repository,
+    WorkerEventRecord,
+    current,
+    head,
+    make_engine,
+    migrate,
+    normalize_url,
+    schema_diff,
+    upgrade,
+)
 from pdserve.db import testing as contract
-from pdserve.state.types import WorkerRole, WorkerState
 
 ROUND_TRIPS: list[Callable[[Repository], None]] = [
     contract.check_deployments,

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 from helpers.private_postgres import PrivatePostgres, private_postgres
-from pdserve.common.durable import (
+
+from pdserve.common.types import TicketState, WorkerRole, WorkerState
+from pdserve.db import upgrade
+from pdserve.db.durable import (
     DurableWriter,
     RecordKind,
     Spool,
@@ -25,7 +28,6 @@ from pdserve.common.durable import (
     encode_record,
     spool_folder,
 )
-from pdserve.db import upgrade
 from pdserve.db.records import (
     RequestWindowRecord,
     ScalingAction,
@@ -34,7 +36,6 @@ from pdserve.db.records import (
     WorkerEventRecord,
 )
 from pdserve.db.repository import Repository
-from pdserve.state.types import TicketState, WorkerRole, WorkerState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,10 +141,10 @@ _CHILD = textwrap.dedent("""
     import sys, time
     from datetime import UTC, datetime, timedelta
     from pathlib import Path
-    from pdserve.common.durable import DurableWriter, RecordKind, Spool
+    from pdserve.db.durable import DurableWriter, RecordKind, Spool
     from pdserve.db.records import TransferStatsRecord, WorkerEventRecord
     from pdserve.db.repository import Repository
-    from pdserve.state.types import TicketState, WorkerRole, WorkerState
+    from pdserve.common.types import TicketState, WorkerRole, WorkerState
 
     url, folder, deployment, num = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     t0 = datetime(2025, 1, 1, tzinfo=UTC)

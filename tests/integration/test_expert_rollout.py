@@ -18,29 +18,30 @@ import grpc
 import numpy as np
 import pytest
 import sqlalchemy as sa
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from pdserve.capacity.experts import (
+from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.service_settings import PoolSettings, RouterSettings, WorkerSettings
+from pdserve.common.settings import CommonSettings
+from pdserve.common.types import WorkerRole, WorkerState
+from pdserve.db import Repository, make_engine, normalize_url, upgrade
+from pdserve.governor.experts import (
     ExpertPlacementGovernor,
     ExpertPolicy,
     GrpcWorkerPlacementClient,
     ReplanReason,
 )
-from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.service_settings import PoolSettings, RouterSettings, WorkerSettings
-from pdserve.common.settings import CommonSettings
-from pdserve.db import Repository, make_engine, normalize_url, upgrade
 from pdserve.kv_transfer.app import CoordinatorApp
 from pdserve.kv_transfer.coordinator import CoordinatorPolicy
+from pdserve.kv_transfer.local_client import LocalTicketClient
 from pdserve.kv_transfer.rendezvous import MemoryRendezvous
 from pdserve.pool.app import PoolApp
 from pdserve.router.app import RouterApp
-from pdserve.router.clients import LocalTicketClient
 from pdserve.state.expert_loads import ExpertLoadReport, expert_load_store_for
 from pdserve.state.factory import StateOptions
 from pdserve.state.prefix_index import MemoryPrefixIndex
 from pdserve.state.redis_backend import RedisStateBackend
-from pdserve.state.types import WorkerRole, WorkerState
 from pdserve.worker.engines.sim import expert_popularity
 from pdserve.worker.process import WorkerProcess
 
@@ -274,6 +275,7 @@ async def test_placements_roll_out_to_every_worker_while_requests_stream(
 async def test_redis_expert_load_queue_keeps_the_newest_reports_and_drains_once(
         redis_url: str) -> None:
     import redis.asyncio as aioredis
+
     from pdserve.state.expert_loads import RedisExpertLoadStore
 
     prefix = f"pdtest{secrets.token_hex(4)}"

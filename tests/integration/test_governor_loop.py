@@ -20,17 +20,22 @@ from sqlalchemy.engine import URL
 
 from pdserve.api.v1 import common_pb2, governor_pb2, governor_pb2_grpc
 from pdserve.capacity.autoscaler import AutoscalerControls, InstanceProfile
-from pdserve.capacity.governor import CONTROLS_KEY, CapacityGovernor, DeploymentSpec, GovernorConfig
-from pdserve.capacity.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.common.clock import ManualClock
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.grpc_client import error_from_rpc_error
 from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.types import TicketSpec, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.db import Repository, make_engine, normalize_url, upgrade
 from pdserve.db.records import ScalingAction
+from pdserve.governor.autoscaling import (
+    CONTROLS_KEY,
+    CapacityGovernor,
+    DeploymentSpec,
+    GovernorConfig,
+)
+from pdserve.governor.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.state.factory import StateOptions, open_backend
 from pdserve.state.interfaces import StateBackend
-from pdserve.state.types import TicketSpec, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 
 DEPLOYMENT = "llama-3.1-70b"
 INTERVAL_S = 60.0

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from helpers.private_redis import private_redis
+
 from pdserve.common.leadership import LeaderElector, MemoryLease, RedisLease
 
 TTL_S = 0.6

@@ -34,9 +34,7 @@ from pdserve.common.errors import (
     StaleTokenError,
     UnavailableError,
 )
-from pdserve.state.factory import StateOptions, open_backend
-from pdserve.state.interfaces import StateBackend
-from pdserve.state.types import (
+from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
     FencingToken,
@@ -44,6 +42,8 @@ from pdserve.state.types import (
     TicketSpec,
     TicketState,
 )
+from pdserve.state.factory import StateOptions, open_backend
+from pdserve.state.interfaces import StateBackend
 
 NUM_TASKS = 32
 NUM_OPS = 2400

@@ -24,10 +24,7 @@ from pdserve.common.errors import (
     NotFoundError,
     StaleTokenError,
 )
-from pdserve.state.factory import StateOptions, open_backend
-from pdserve.state.interfaces import StateBackend
-from pdserve.state.redis_backend import RedisKeys, RedisStateBackend
-from pdserve.state.types import (
+from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
     FencingToken,
@@ -41,6 +38,9 @@ from pdserve.state.types import (
     WorkerRole,
     WorkerState,
 )
+from pdserve.state.factory import StateOptions, open_backend
+from pdserve.state.interfaces import StateBackend
+from pdserve.state.redis_backend import RedisKeys, RedisStateBackend
 
 RETENTION_S = 60.0
 GRACE_S = 30.0

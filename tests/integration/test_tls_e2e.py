@@ -313,7 +313,7 @@ async def _transfer(sender_cert: IssuedCert, sender_ca: Path, receiver_cert: Iss
                     receiver_ca: Path) -> tuple[bool, bool]:
     """One ticket from a sender with ``sender_cert`` to a receiver with ``receiver_cert``:
     ``(sender succeeded, destination blocks changed)``."""
-    from pdserve.state.types import FencingToken
+    from pdserve.common.types import FencingToken
     from pdserve.worker.engine import KvCache, KvLayout
     from pdserve.worker.kv_owner import BlockOwnerTable
     from pdserve.worker.transports.base import KvDestinationSpec, TransferFailedError

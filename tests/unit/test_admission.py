@@ -11,11 +11,13 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.common.clock import ManualClock
 from pdserve.common.errors import CapacityError, ConfigError, InvalidArgumentError
 from pdserve.common.service_settings import RouterSettings
 from pdserve.common.settings import parse_settings
+from pdserve.common.types import TicketSpec, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.router.admission import (
     AdmissionConfig,
     AdmissionOutcome,
@@ -28,7 +30,6 @@ from pdserve.router.app import admission_config
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.pool_view import PoolView
 from pdserve.router.types import GenerationRequest, PrefillMode
-from pdserve.state.types import TicketSpec, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 
 RATE = 1000.0  # tokens/s of the simulated worker
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pdserve.state.types import FencingToken, WorkerRole, WorkerState
+
+from pdserve.common.types import FencingToken, WorkerRole, WorkerState
 from pdserve.worker.agent import AgentConfig, WorkerAgent, _ReadyLayers, kv_checksum
 from pdserve.worker.engine import Sequence as EngineSequence
 from pdserve.worker.engines.sim import SimConfig, SimEngine

@@ -22,8 +22,8 @@ from pdserve.api.v1 import (
 )
 from pdserve.common.auth import (
     METHOD_ROLES,
-    AuthInterceptor,
     Authenticator,
+    AuthInterceptor,
     Decision,
     KeyFile,
     Principal,
@@ -392,11 +392,11 @@ async def test_pool_join_tokens_rotate_without_a_restart(tmp_path: Path) -> None
     import time
 
     from pdserve.common.service_settings import PoolSettings
+    from pdserve.common.types import WorkerRole
     from pdserve.pool.app import PoolApp
     from pdserve.pool.manager import Registration
     from pdserve.state.factory import open_backend
     from pdserve.state.prefix_index import MemoryPrefixIndex
-    from pdserve.state.types import WorkerRole
 
     path = tmp_path / "join_tokens"
     _write(path, "token-one\n")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pytest
+
 from pdserve.capacity.autoscaler import (
     Autoscaler,
     AutoscalerConfig,

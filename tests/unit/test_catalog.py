@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.capacity import catalog as cat
-from pdserve.capacity.catalog import AttentionKind, Catalog, estimate_num_params
 from pdserve.common.errors import ConfigError, InvalidArgumentError
+from pdserve.perf import catalog as cat
+from pdserve.perf.catalog import AttentionKind, Catalog, estimate_num_params
 
 DATA_DIR = Path(cat.__file__).with_name("catalog")
 

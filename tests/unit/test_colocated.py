@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from pdserve.capacity import colocated as co
 from pdserve.capacity import planner as pl
 from pdserve.capacity.planner import Demand, InstanceShape, Slo

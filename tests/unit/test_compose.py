@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cli.main import SERVICES, build_parser
+from pdserve.cli.main import build_parser
+from pdserve.cli.serve import SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 

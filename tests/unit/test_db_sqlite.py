@@ -14,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from pdserve.common.errors import ConfigError, InvalidArgumentError
+from pdserve.common.types import TicketState, WorkerRole, WorkerState
 from pdserve.db import (
     CapacityPlanRecord,
     Repository,
@@ -27,7 +28,6 @@ from pdserve.db import (
     upgrade,
 )
 from pdserve.db import testing as contract
-from pdserve.state.types import TicketState, WorkerRole, WorkerState
 
 ROUND_TRIPS: list[Callable[[Repository], None]] = [
     contract.check_deployments,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pdserve.capacity.eplb import (
     DecodeCapacity,
     ExpertMemoryModel,

@@ -11,9 +11,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
+
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc, worker_pb2
-from pdserve.capacity.app import GovernorApp
 from pdserve.capacity.eplb import (
     ExpertPlacement,
     PlacementPolicy,
@@ -21,7 +22,13 @@ from pdserve.capacity.eplb import (
     gpu_balancedness,
     plan_expert_placement,
 )
-from pdserve.capacity.experts import (
+from pdserve.common.errors import InvalidArgumentError, UnavailableError
+from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.service_settings import GovernorSettings
+from pdserve.common.types import WorkerLoad, WorkerRecord, WorkerRole, WorkerState
+from pdserve.db import Repository, upgrade
+from pdserve.governor.app import GovernorApp
+from pdserve.governor.experts import (
     ExpertPlacementGovernor,
     ExpertPolicy,
     LoadEstimate,
@@ -36,10 +43,6 @@ from pdserve.capacity.experts import (
     pool_topology,
     replan_reason,
 )
-from pdserve.common.errors import InvalidArgumentError, UnavailableError
-from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.service_settings import GovernorSettings
-from pdserve.db import Repository, upgrade
 from pdserve.pool.manager import Heartbeat, PoolManager, PoolPolicy, Registration
 from pdserve.state.expert_loads import (
     ExpertLoadReport,
@@ -50,12 +53,10 @@ from pdserve.state.expert_loads import (
 )
 from pdserve.state.factory import open_backend
 from pdserve.state.prefix_index import MemoryPrefixIndex
-from pdserve.state.types import WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.engine import Sequence
 from pdserve.worker.engines.sim import SimConfig, SimEngine, expert_popularity
 from pdserve.worker.transports.registry import get_backend
-from prometheus_client import REGISTRY
 
 DECODE = WorkerRole.DECODE
 NUM_LAYERS, NUM_EXPERTS = 4, 8

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdserve.state.types import FencingToken
+
+from pdserve.common.types import FencingToken
 from pdserve.worker.transports.frames import (
     FLAG_BLOCK_IDS_U64,
     FLAG_NO_ACK,

@@ -20,7 +20,6 @@ from urllib.parse import urlsplit
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from test_fuzz_rpcs import MODEL, InProcessStack
 
 TIMEOUT_S = 15.0

@@ -92,7 +92,6 @@ class InProcessStack:
 
     async def _start(self) -> None:
         from pdserve.api.v1 import pool_pb2_grpc
-        from pdserve.capacity.app import GovernorApp
         from pdserve.cli.assembly import open_stores
         from pdserve.common.grpc_server import GrpcServer
         from pdserve.common.service_settings import (
@@ -102,14 +101,15 @@ class InProcessStack:
             WorkerSettings,
         )
         from pdserve.common.settings import CommonSettings
+        from pdserve.common.types import WorkerRole
+        from pdserve.governor.app import GovernorApp
         from pdserve.kv_transfer.app import CoordinatorApp
         from pdserve.kv_transfer.coordinator import CoordinatorPolicy
+        from pdserve.kv_transfer.local_client import LocalTicketClient
         from pdserve.pool.app import PoolApp
         from pdserve.pool.servicer import SERVICE_NAME as POOL_SERVICE
         from pdserve.pool.servicer import PoolServicer
         from pdserve.router.app import RouterApp
-        from pdserve.router.clients import LocalTicketClient
-        from pdserve.state.types import WorkerRole
         from pdserve.worker.process import WorkerProcess
 
         common = CommonSettings(redis_url="memory://", database_url="sqlite://",

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdserve.common.errors import (
     CapacityError,
     InvalidArgumentError,

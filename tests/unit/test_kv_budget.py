@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.capacity.catalog import get_gpu, get_model
-from pdserve.capacity.kv_budget import (
+from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import get_gpu, get_model
+from pdserve.perf.kv_budget import (
     GIB,
     CapacityConfig,
     RankMemory,
@@ -18,7 +19,6 @@ from pdserve.capacity.kv_budget import (
     kv_heads_per_gpu,
     weights_bytes_per_gpu,
 )
-from pdserve.common.errors import InvalidArgumentError
 
 
 def _gib(value: float) -> int:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from pdserve.common.errors import InvalidArgumentError, StaleTokenError
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.kv_owner import BlockConflictError, BlockOwnerTable, ForeignBlockError
 
 

@@ -10,16 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.capacity import calibration as cal
-from pdserve.capacity.catalog import default_catalog, get_gpu, get_model
-from pdserve.capacity.kv_budget import kv_bytes_per_token
-from pdserve.capacity.perf_model import (
+from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf import calibration as cal
+from pdserve.perf.catalog import default_catalog, get_gpu, get_model
+from pdserve.perf.kv_budget import kv_bytes_per_token
+from pdserve.perf.perf_model import (
     Efficiency,
     PerfModel,
     calibrated_efficiency,
     perf_model_for,
 )
-from pdserve.common.errors import InvalidArgumentError
 
 CASES = [("llama-3.1-8b", "h100", 1), ("llama-3.1-70b", "h100", 4), ("qwen2.5-7b", "a100-80g", 2),
          ("qwen2.5-72b", "h200", 8), ("mixtral-8x7b", "h100", 2), ("deepseek-v3", "h200", 8),

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+
 from pdserve.capacity import planner as pl
 from pdserve.capacity.planner import Demand, DisaggConfig, InstanceShape, Slo
 from pdserve.common.errors import InvalidArgumentError

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
+from pdserve.common.types import WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.pool.lifecycle import WORKER_TRANSITIONS, is_legal
 from pdserve.pool.manager import choose_drain_victims
-from pdserve.state.types import WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 
 
 def test_failed_and_drained_workers_never_return_to_service() -> None:

@@ -6,13 +6,19 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 
 from pdserve.common.clock import ManualClock
-from pdserve.kv_transfer.coordinator import KvTransferCoordinator, TransferRecord
-from pdserve.pool.manager import PoolManager, PoolPolicy, Registration
+from pdserve.common.types import (
+    TicketSpec,
+    TicketState,
+    TransferRecord,
+    WorkerLoad,
+    WorkerRole,
+    WorkerState,
+)
+from pdserve.kv_transfer.coordinator import KvTransferCoordinator
+from pdserve.pool.manager import Heartbeat, PoolManager, PoolPolicy, Registration
+from pdserve.state.factory import StateOptions
 from pdserve.state.memory_backend import MemoryStateBackend
 from pdserve.state.prefix_index import MemoryPrefixIndex
-from pdserve.state.factory import StateOptions
-from pdserve.state.types import TicketSpec, TicketState, WorkerLoad, WorkerRole, WorkerState
-from pdserve.pool.manager import Heartbeat
 
 
 def _value(name: str, labels: dict[str, str]) -> float:

@@ -12,14 +12,7 @@ import pytest
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2
 from pdserve.capacity.scaling import ScalingDecision, ScalingObservation
-from pdserve.router.core import Router, RouterConfig
-from pdserve.router.policy import RoutingConfig
-from pdserve.router.pool_view import PoolView
-from pdserve.router.types import GenerationRequest
-from pdserve.sim import ClusterSpec, RequestStatus, SimConfig, simulate
-from pdserve.sim.engine_model import instance_model
-from pdserve.sim.traces import LengthSpec, Trace, synthetic_trace
-from pdserve.state.types import (
+from pdserve.common.types import (
     FencingToken,
     TicketSpec,
     WorkerLoad,
@@ -27,6 +20,13 @@ from pdserve.state.types import (
     WorkerRole,
     WorkerState,
 )
+from pdserve.router.core import Router, RouterConfig
+from pdserve.router.policy import RoutingConfig
+from pdserve.router.pool_view import PoolView
+from pdserve.router.types import GenerationRequest
+from pdserve.sim import ClusterSpec, RequestStatus, SimConfig, simulate
+from pdserve.sim.engine_model import instance_model
+from pdserve.sim.traces import LengthSpec, Trace, synthetic_trace
 
 INSTANCE = instance_model("llama-3.1-8b", "h100-sxm-80gb", 1)
 

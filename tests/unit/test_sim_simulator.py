@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from pdserve.capacity.catalog import get_gpu
+from pdserve.common.types import TICKET_TRANSITIONS, TicketState
+from pdserve.perf.catalog import get_gpu
 from pdserve.router.policy import RoutingConfig
 from pdserve.sim import (
     ClusterSpec,
@@ -23,7 +24,6 @@ from pdserve.sim import (
 )
 from pdserve.sim.engine_model import InstanceModel, instance_model
 from pdserve.sim.traces import LengthSpec, Trace, parse_mooncake_jsonl, synthetic_trace
-from pdserve.state.types import TICKET_TRANSITIONS, TicketState
 
 MODEL = {"model": "llama-3.1-8b", "gpu": "h100-sxm-80gb", "tp_size": 1}
 INSTANCE = instance_model("llama-3.1-8b", "h100-sxm-80gb", 1)

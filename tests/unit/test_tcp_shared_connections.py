@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
-from pdserve.state.types import FencingToken
+
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports import tcp

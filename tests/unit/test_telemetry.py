@@ -4,6 +4,7 @@ names and endpoint; clocks."""
 from __future__ import annotations
 
 import urllib.request
+
 import grpc
 import pytest
 from opentelemetry import trace

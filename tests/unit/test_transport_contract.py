@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
+
 from pdserve.common.errors import (
     AlreadyExistsError,
     DeadlineError,
     InvalidArgumentError,
     NotFoundError,
 )
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable, ForeignBlockError
 from pdserve.worker.transports import registry

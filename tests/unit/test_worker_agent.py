@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pdserve.common.errors import InvalidArgumentError, StaleTokenError
-from pdserve.state.types import FencingToken, WorkerRole, WorkerState
+from pdserve.common.types import FencingToken, WorkerRole, WorkerState
 from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.engines.sim import SimConfig, SimEngine
 from pdserve.worker.transports.registry import get_backend

@@ -63,11 +63,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pdserve.capacity.catalog import get_gpu, get_model
-from pdserve.capacity.kv_budget import CapacityConfig, blocks_per_request, capacity_report
-from pdserve.capacity.perf_model import PerfModel, perf_model_for
 from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import get_gpu, get_model
+from pdserve.perf.kv_budget import CapacityConfig, blocks_per_request, capacity_report
+from pdserve.perf.perf_model import PerfModel, perf_model_for
 
 RATE_LIMIT_WINDOW_S = 60.0
 """``max_step_per_minute`` counts target changes over this rolling window."""

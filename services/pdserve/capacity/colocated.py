@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.capacity.perf_model import PerfModel
 from pdserve.capacity.planner import (
     Demand,
     InstanceShape,
@@ -75,6 +74,7 @@ from pdserve.capacity.planner import (
     unstable_prediction,
 )
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.perf_model import PerfModel
 
 DEFAULT_TOKEN_BUDGETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Token budgets (``max_num_batched_tokens``) searched: vLLM's chunked-prefill default is 512

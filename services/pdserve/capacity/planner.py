@@ -80,10 +80,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.capacity.catalog import get_gpu, get_model
-from pdserve.capacity.kv_budget import CapacityConfig, CapacityReport, capacity_report
-from pdserve.capacity.perf_model import PerfModel, perf_model_for
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import get_gpu, get_model
+from pdserve.perf.kv_budget import CapacityConfig, CapacityReport, capacity_report
+from pdserve.perf.perf_model import PerfModel, perf_model_for
 
 MAX_SAMPLES = 4096
 """Length samples the model evaluates (a trace is subsampled evenly to this many)."""

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.durable import DurableWriter, open_writer
 from pdserve.common.settings import CommonSettings
+from pdserve.db.durable import DurableWriter, open_writer
 from pdserve.kv_transfer.rendezvous import MemoryRendezvous, RedisRendezvous, Rendezvous
 from pdserve.state.factory import open_backend
 from pdserve.state.interfaces import StateBackend

@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.capacity.catalog import get_gpu, get_model
-    from pdserve.capacity.kv_budget import CapacityConfig, capacity_report
+    from pdserve.perf.catalog import get_gpu, get_model
+    from pdserve.perf.kv_budget import CapacityConfig, capacity_report
 
     model = get_model(args.model)
     gpu = get_gpu(args.gpu)

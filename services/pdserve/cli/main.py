@@ -11,12 +11,10 @@ from collections.abc import Callable, Sequence
 
 from pdserve.common.errors import PdserveError
 
-SERVICES = ("router", "prefill-pool", "decode-pool", "kv-transfer", "governor", "worker")
-
 # command name -> (module, help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.cli.up", "run the whole stack on this machine (embedded state, sim workers)"),
-    "serve": ("pdserve.cli.serve", "run one service in this process: " + ", ".join(SERVICES)),
+    "serve": ("pdserve.cli.serve", "run one service in this process (router, a pool manager, the coordinator, the governor or a worker)"),
     "generate": ("pdserve.cli.generate", "send one prompt to a router and stream the tokens"),
     "status": ("pdserve.cli.status", "pools, workers, tickets and KV use as a table"),
     "db": ("pdserve.cli.db", "database schema: upgrade, current"),

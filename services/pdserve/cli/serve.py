@@ -8,7 +8,6 @@ import asyncio
 import os
 import sys
 
-from pdserve.cli.main import SERVICES
 from pdserve.common.service_settings import (
     CoordinatorSettings,
     GovernorSettings,
@@ -26,6 +25,7 @@ _SETTINGS = {
     "governor": GovernorSettings,
     "worker": WorkerSettings,
 }
+SERVICES = tuple(_SETTINGS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +75,8 @@ async def _serve(service: str, settings: object) -> int:
 
 async def _serve_control_plane(service: str, settings: object, stop: asyncio.Event) -> None:
     from pdserve.cli.assembly import open_durable, open_stores
-    from pdserve.common.durable import LifecycleSinkAdapter, TransferSinkAdapter, WindowWriterAdapter
     from pdserve.common.grpc_server import GrpcServer
+    from pdserve.db.durable import LifecycleSinkAdapter, TransferSinkAdapter, WindowWriterAdapter
 
     stores = open_stores(settings)  # type: ignore[arg-type]
     durable = open_durable(settings, migrate=False)  # type: ignore[arg-type]
@@ -116,8 +116,8 @@ async def _serve_control_plane(service: str, settings: object, stop: asyncio.Eve
         app = RouterApp(settings, stores.backend, stores.prefix_index, GrpcTicketClient(channel),  # type: ignore[arg-type]
                         WindowWriterAdapter(durable) if durable else None)
     elif service == "governor":
-        from pdserve.capacity.app import GovernorApp
         from pdserve.common.leadership import holder_id, open_lease
+        from pdserve.governor.app import GovernorApp
 
         app = GovernorApp(settings, durable,  # type: ignore[arg-type]
                           lease=open_lease(stores.redis_client, "governor", holder_id()),

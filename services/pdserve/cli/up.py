@@ -17,13 +17,13 @@ from pdserve.common.service_settings import DEFAULT_GPU, DEFAULT_MODEL, TENANT_F
 from pdserve.common.settings import (
     DATABASE_URL,
     DURATION_S,
-    LogFormat,
     PORT,
     PORT_OR_OFF,
     CommonSettings,
+    LogFormat,
+    add_settings_arguments,
     float_range,
     int_range,
-    add_settings_arguments,
     setting,
     settings_from_namespace,
 )
@@ -108,19 +108,19 @@ def worker_tls_args(settings: UpSettings) -> list[str]:
 
 async def _up(settings: UpSettings) -> int:
     from pdserve.cli.assembly import open_durable, open_stores
-    from pdserve.common.durable import LifecycleSinkAdapter, TransferSinkAdapter, WindowWriterAdapter
     from pdserve.common.grpc_server import GrpcServer
     from pdserve.common.runtime import setup_process, stop_on_signals
     from pdserve.common.service_settings import PoolSettings, RouterSettings
+    from pdserve.common.types import WorkerRole
+    from pdserve.db.durable import LifecycleSinkAdapter, TransferSinkAdapter, WindowWriterAdapter
+    from pdserve.governor.app import GovernorApp
     from pdserve.kv_transfer.app import CoordinatorApp
     from pdserve.kv_transfer.coordinator import CoordinatorPolicy
+    from pdserve.kv_transfer.local_client import LocalTicketClient
     from pdserve.pool.app import PoolApp
     from pdserve.pool.provisioner import LocalProcessProvisioner
     from pdserve.pool.servicer import PoolServicer
-    from pdserve.capacity.app import GovernorApp
     from pdserve.router.app import RouterApp
-    from pdserve.router.clients import LocalTicketClient
-    from pdserve.state.types import WorkerRole
 
     runtime = setup_process(settings)
     stop = asyncio.Event()
@@ -165,8 +165,8 @@ async def _up(settings: UpSettings) -> int:
                        LocalTicketClient(coordinator.coordinator),
                        WindowWriterAdapter(durable) if durable else None)
     router.register(server)
-    from pdserve.capacity.governor import ManagerTargetSetter
     from pdserve.common.service_settings import GovernorSettings
+    from pdserve.governor.autoscaling import ManagerTargetSetter
 
     governor = GovernorApp(
         GovernorSettings(autoscale_deployments=(settings.model,), autoscale_gpu=settings.gpu,

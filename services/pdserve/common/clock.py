@@ -1,7 +1,7 @@
 """Clocks, injected wherever code needs the time, so tests control time without patching globals.
 
 Every clock is a zero-argument callable returning seconds as a float, so each one is also a
-``pdserve.state.types.Clock`` (``Callable[[], float]``). Use ``SystemClock`` for times that cross
+``pdserve.common.types.Clock`` (``Callable[[], float]``). Use ``SystemClock`` for times that cross
 processes (lease expiries, record timestamps) and ``MonotonicClock`` for durations measured inside
 one process (deadlines, backoff, latency); ``ManualClock`` stands in for either in tests.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.common.errors import InvalidArgumentError
-from pdserve.state.types import (
+from pdserve.common.types import (
     FencingToken,
     LedgerSnapshot,
     Ticket,

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.errors import ConfigError
-
 from pdserve.common.settings import (
     ADDRESS,
     DURATION_S,
@@ -23,7 +22,7 @@ from pdserve.common.settings import (
     optional,
     setting,
 )
-from pdserve.state.types import WorkerRole
+from pdserve.common.types import WorkerRole
 
 DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_GPU = "h100-sxm-80gb"
@@ -160,7 +159,7 @@ class GovernorSettings(CommonSettings):
     """The capacity governor."""
 
     service_name: str = setting("governor", help="Service name in logs, traces and metrics.")
-    # Expert placement (EPLB) of MoE pools: pdserve.capacity.experts.
+    # Expert placement (EPLB) of MoE pools: pdserve.governor.experts.
     expert_half_life_s: float = setting(300.0, parser=float_range(0.001, 1e9), help="Half-life of the decayed per-expert load estimate, seconds.")
     expert_replan_period_s: float = setting(600.0, parser=float_range(0.001, 1e9), help="Re-plan expert placement at least this often, seconds.")
     expert_min_balancedness: float = setting(0.85, parser=float_range(0.0, 1.0), help="Re-plan early when the placement's mean GPU balancedness (mean/max load) falls under this.")
@@ -172,7 +171,7 @@ class GovernorSettings(CommonSettings):
     expert_num_groups: int = setting(1, parser=int_range(1, 4096), help="Expert groups kept on one node in prefill pools (DeepSeek-V3: 8); 1 = global placement.")
     expert_tick_s: float = setting(1.0, parser=float_range(0.01, 3600.0), help="Period of the expert-placement loop (drain reports, decide, roll out), seconds.")
     expert_rollout_timeout_s: float = setting(5.0, parser=float_range(0.01, 3600.0), help="Deadline of one worker's ApplyExpertPlacement call, seconds.")
-    # Autoscaler (pdserve.capacity.governor): deployments sized, the look-ahead, actuation.
+    # Autoscaler (pdserve.governor.autoscaling): deployments sized, the look-ahead, actuation.
     autoscale_deployments: tuple[str, ...] = setting((), help="Deployments the autoscaler sizes (model, GPU and TP from their durable records, else the settings below); empty = none.")
     autoscale_gpu: str = setting(DEFAULT_GPU, help="GPU of a deployment without a durable record.")
     autoscale_tp_size: int = setting(1, parser=int_range(1, 1024), help="Tensor-parallel degree of a deployment without a durable record.")

@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from pdserve.common.errors import InvalidArgumentError
-from pdserve.state.types import TicketState, WorkerRole, WorkerState
+from pdserve.common.types import TicketState, WorkerRole, WorkerState
 
 JsonObject = Mapping[str, Any]
 """A JSON object as decoded by ``json.loads``."""

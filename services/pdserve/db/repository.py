@@ -31,6 +31,7 @@ from pdserve.common.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
+from pdserve.common.types import TicketState, WorkerRole, WorkerState
 from pdserve.db.engine import SETTING, is_sqlite_memory, make_engine
 from pdserve.db.models import (
     CapacityPlan,
@@ -51,7 +52,6 @@ from pdserve.db.records import (
     TransferStatsRecord,
     WorkerEventRecord,
 )
-from pdserve.state.types import TicketState, WorkerRole, WorkerState
 
 logger = logging.getLogger(__name__)
 

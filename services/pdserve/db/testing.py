@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import sqlalchemy as sa
 
 from pdserve.common.errors import AlreadyExistsError, ConfigError
+from pdserve.common.types import TicketState, WorkerRole, WorkerState
 from pdserve.db import migrate
 from pdserve.db.records import (
     CapacityPlanRecord,
@@ -28,7 +29,6 @@ from pdserve.db.records import (
     WorkerEventRecord,
 )
 from pdserve.db.repository import Repository
-from pdserve.state.types import TicketState, WorkerRole, WorkerState
 
 EPOCH = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 

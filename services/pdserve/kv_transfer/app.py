@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.api.v1 import kv_transfer_pb2_grpc
-from pdserve.api.v1 import worker_pb2
-from pdserve.api.v1 import worker_pb2_grpc
+from pdserve.api.v1 import kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_to_pb
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.settings import CommonSettings
+from pdserve.common.types import Clock, Ticket
 from pdserve.kv_transfer.coordinator import (
     CoordinatorPolicy,
     KvTransferCoordinator,
@@ -20,7 +19,6 @@ from pdserve.kv_transfer.coordinator import (
 from pdserve.kv_transfer.rendezvous import Rendezvous
 from pdserve.kv_transfer.servicer import SERVICE_NAME, KvTransferServicer
 from pdserve.state.interfaces import StateBackend, WorkerStore
-from pdserve.state.types import Clock, Ticket
 
 logger = logging.getLogger(__name__)
 

@@ -22,18 +22,19 @@ from pdserve.common.errors import (
     StaleTokenError,
     UnavailableError,
 )
-from pdserve.kv_transfer import metrics
-from pdserve.state.interfaces import TicketLedger, WorkerStore
-from pdserve.state.types import (
+from pdserve.common.types import (
     Clock,
     FencingToken,
     LedgerSnapshot,
     Ticket,
     TicketSpec,
     TicketState,
+    TransferRecord,
     WorkerRole,
     WorkerState,
 )
+from pdserve.kv_transfer import metrics
+from pdserve.state.interfaces import TicketLedger, WorkerStore
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,6 @@ class CoordinatorPolicy:
     default_lease_s: float = 10.0
     max_lease_s: float = 300.0
     reap_interval_s: float = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class TransferRecord:
-    """Statistics of one finished transfer, for the durable store and metrics."""
-
-    ticket: Ticket
-    num_bytes: int
-    prefill_compute_s: float
-    transfer_s: float
-    exposed_s: float
-    outcome: TicketState
 
 
 class TicketNotifier(Protocol):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.common.metrics import counter, histogram
-from pdserve.state.types import Ticket
+from pdserve.common.types import Ticket
 
 TICKETS = counter("transfer", "ended", "tickets", "Tickets that reached a terminal state.",
                   ["deployment", "outcome"])

@@ -11,8 +11,8 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
+from pdserve.common.types import FencingToken
 from pdserve.state.redis_backend import store_call
-from pdserve.state.types import FencingToken
 
 
 class Rendezvous(Protocol):

@@ -15,9 +15,9 @@ from pdserve.common.convert import (
     token_from_pb,
 )
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
-from pdserve.kv_transfer.coordinator import KvTransferCoordinator, TransferRecord
+from pdserve.common.types import TicketSpec, TicketState, TransferRecord
+from pdserve.kv_transfer.coordinator import KvTransferCoordinator
 from pdserve.kv_transfer.rendezvous import Rendezvous
-from pdserve.state.types import TicketSpec, TicketState
 
 SERVICE_NAME = "pdserve.api.v1.KvTransferService"
 

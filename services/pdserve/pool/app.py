@@ -9,12 +9,12 @@ from pdserve.api.v1 import pool_pb2_grpc
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.leadership import LeaderElector, Lease
 from pdserve.common.service_settings import PoolSettings
+from pdserve.common.types import Clock
 from pdserve.pool.manager import LifecycleSink, PoolManager, PoolPolicy
 from pdserve.pool.provisioner import Provisioner
 from pdserve.pool.servicer import SERVICE_NAME, PoolServicer
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
-from pdserve.state.types import Clock
 
 
 class PoolApp:

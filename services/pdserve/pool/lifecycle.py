@@ -7,7 +7,7 @@ late heartbeat can never move a FAILED or DRAINED worker back into service (it m
 
 from __future__ import annotations
 
-from pdserve.state.types import WorkerState
+from pdserve.common.types import WorkerState
 
 WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.REGISTERING: frozenset({WorkerState.LOADING, WorkerState.READY, WorkerState.DRAINING,

@@ -22,13 +22,7 @@ from pdserve.common.errors import (
     UnauthenticatedError,
 )
 from pdserve.common.leadership import LeaderElector
-from pdserve.pool.lifecycle import is_legal
-from pdserve.pool.metrics import observe_pool
-from pdserve.pool.provisioner import Provisioner, WorkerLaunch
-from pdserve.state.expert_loads import ExpertLoadReport, ExpertLoadStore, expert_load_store_for
-from pdserve.state.interfaces import StateBackend
-from pdserve.state.prefix_index import PrefixIndex
-from pdserve.state.types import (
+from pdserve.common.types import (
     BlockReport,
     Clock,
     PoolEvent,
@@ -38,6 +32,12 @@ from pdserve.state.types import (
     WorkerRole,
     WorkerState,
 )
+from pdserve.pool.lifecycle import is_legal
+from pdserve.pool.metrics import observe_pool
+from pdserve.pool.provisioner import Provisioner, WorkerLaunch
+from pdserve.state.expert_loads import ExpertLoadReport, ExpertLoadStore, expert_load_store_for
+from pdserve.state.interfaces import StateBackend
+from pdserve.state.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from pdserve.common.metrics import gauge
-from pdserve.state.types import WorkerRecord, WorkerRole, WorkerState
+from pdserve.common.types import WorkerRecord, WorkerRole, WorkerState
 
 WORKERS = gauge("pool", "size", "workers", "Workers by deployment, role and state.",
                 ["deployment", "role", "state"])

@@ -7,8 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import pool_pb2
-from pdserve.api.v1 import pool_pb2_grpc
+from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
 from pdserve.common.convert import (
     load_from_pb,
     role_from_pb,
@@ -17,9 +16,9 @@ from pdserve.common.convert import (
     worker_to_pb,
 )
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
+from pdserve.common.types import FencingToken, PoolEventKind, WorkerRecord, WorkerRole, WorkerState
 from pdserve.pool.manager import Heartbeat, PoolManager, Registration
 from pdserve.state.interfaces import PoolEventStream, WorkerStore
-from pdserve.state.types import FencingToken, PoolEventKind, WorkerRecord, WorkerRole, WorkerState
 
 SERVICE_NAME = "pdserve.api.v1.PoolService"
 

@@ -449,7 +449,7 @@ class AdmissionPolicy:
 
 @functools.lru_cache(maxsize=64)
 def _perf_model(model: str, gpu: str, tp_size: int) -> object | None:
-    from pdserve.capacity.perf_model import perf_model_for
+    from pdserve.perf.perf_model import perf_model_for
 
     try:
         return perf_model_for(model, gpu, tp_size)

@@ -1,5 +1,6 @@
-"""The router's clients: the coordinator (over gRPC, or in-process in the one-machine stack) and
-the worker agents (always gRPC). Each returns core types and raises ``PdserveError``s."""
+"""The router's clients: the coordinator (over gRPC; the one-machine stack injects an in-process
+``TicketClient`` from ``pdserve.kv_transfer.local_client``) and the worker agents (always gRPC).
+Each returns core types and raises ``PdserveError``s."""
 
 from __future__ import annotations
 
@@ -11,33 +12,17 @@ import grpc
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.api.v1 import kv_transfer_pb2_grpc as kv_grpc
-from pdserve.api.v1 import worker_pb2
-from pdserve.api.v1 import worker_pb2_grpc
+from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_from_pb, token_to_pb
 from pdserve.common.grpc_client import error_from_rpc_error, open_channel
 from pdserve.common.settings import CommonSettings
-from pdserve.kv_transfer.coordinator import KvTransferCoordinator
-from pdserve.state.types import FencingToken, Ticket, TicketSpec
+from pdserve.common.types import FencingToken, TicketSpec
 
 
 class TicketClient(Protocol):
     async def open(self, spec: TicketSpec, timeout_s: float) -> FencingToken: ...
 
     async def abort(self, token: FencingToken, reason: str, timeout_s: float) -> None: ...
-
-
-class LocalTicketClient:
-    """The coordinator in the same process (``pdserve up``)."""
-
-    def __init__(self, coordinator: KvTransferCoordinator) -> None:
-        self._coordinator = coordinator
-
-    async def open(self, spec: TicketSpec, timeout_s: float) -> FencingToken:
-        ticket: Ticket = await self._coordinator.open_ticket(spec)
-        return ticket.token
-
-    async def abort(self, token: FencingToken, reason: str, timeout_s: float) -> None:
-        await self._coordinator.abort(token, reason)
 
 
 class GrpcTicketClient:

@@ -33,6 +33,7 @@ from pdserve.common.errors import (
     UnavailableError,
 )
 from pdserve.common.tokenizer import prefix_block_hashes
+from pdserve.common.types import TicketSpec, WorkerRole
 from pdserve.router.admission import (
     AdmissionConfig,
     AdmissionPolicy,
@@ -58,7 +59,6 @@ from pdserve.router.types import (
     Usage,
 )
 from pdserve.state.prefix_index import PrefixIndex
-from pdserve.state.types import TicketSpec, WorkerRole
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)

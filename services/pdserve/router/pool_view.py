@@ -13,8 +13,8 @@ import logging
 from dataclasses import dataclass
 
 from pdserve.api.v1 import common_pb2 as pb
+from pdserve.common.types import PoolEventKind, WorkerRecord, WorkerRole, WorkerState
 from pdserve.state.interfaces import StateBackend
-from pdserve.state.types import PoolEventKind, WorkerRecord, WorkerRole, WorkerState
 
 logger = logging.getLogger(__name__)
 

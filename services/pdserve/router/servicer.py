@@ -7,8 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import router_pb2
-from pdserve.api.v1 import router_pb2_grpc
+from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.common.auth import current_tenant
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.tokenizer import Tokenizer

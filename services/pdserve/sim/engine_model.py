@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.capacity.catalog import get_gpu, get_model
-from pdserve.capacity.kv_budget import CapacityConfig, capacity_report
-from pdserve.capacity.perf_model import PerfModel, perf_model_for
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import get_gpu, get_model
+from pdserve.perf.kv_budget import CapacityConfig, capacity_report
+from pdserve.perf.perf_model import PerfModel, perf_model_for
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,14 @@ from typing import Any
 import numpy as np
 
 from pdserve.common.errors import CapacityError, IllegalTransitionError, UnavailableError
+from pdserve.common.types import (
+    TICKET_TRANSITIONS,
+    TicketState,
+    WorkerLoad,
+    WorkerRecord,
+    WorkerRole,
+    WorkerState,
+)
 from pdserve.router.policy import (
     DecodeCandidate,
     PrefillCandidate,
@@ -64,14 +72,6 @@ from pdserve.sim.config import SimConfig
 from pdserve.sim.engine_model import InstanceModel, instance_model
 from pdserve.sim.result import InstanceEvent, RequestStatus, ScalingRecord, SimResult
 from pdserve.sim.traces import Trace
-from pdserve.state.types import (
-    TICKET_TRANSITIONS,
-    TicketState,
-    WorkerLoad,
-    WorkerRecord,
-    WorkerRole,
-    WorkerState,
-)
 
 ProgressFn = Callable[[int, int, float], None]
 """``progress(num_arrived, num_requests, sim_time_s)``, called every few thousand arrivals."""

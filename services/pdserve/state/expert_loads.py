@@ -26,8 +26,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
+from pdserve.common.types import WorkerRole
 from pdserve.state.interfaces import StateBackend
-from pdserve.state.types import WorkerRole
 
 DEFAULT_MAX_REPORTS = 1024
 """Reports kept per pool before the oldest are dropped (about 4 minutes of 40 workers reporting

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pdserve.state.types import (
+from pdserve.common.types import (
     BlockReport,
     FencingToken,
     LedgerSnapshot,

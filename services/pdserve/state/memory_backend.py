@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import math
 import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -33,21 +32,7 @@ from pdserve.common.errors import (
     NotFoundError,
     StaleTokenError,
 )
-from pdserve.state.factory import (
-    FREEING_STATES,
-    REASON_ADOPTED,
-    REASON_LEASE_EXPIRED,
-    REASON_LEASE_EXPIRED_DONE,
-    REASON_NOT_REPORTED,
-    REASON_RELEASED,
-    REASON_WORKER_DROPPED,
-    BlockHolding,
-    StateOptions,
-    format_cursor,
-    parse_cursor,
-)
-from pdserve.state.interfaces import WorkerStore
-from pdserve.state.types import (
+from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
     Clock,
@@ -65,53 +50,27 @@ from pdserve.state.types import (
     WorkerRole,
     WorkerState,
 )
+from pdserve.state.interfaces import WorkerStore
+from pdserve.state.shared import (
+    FREEING_STATES,
+    MAX_EVENTS_PER_READ,
+    REASON_ADOPTED,
+    REASON_LEASE_EXPIRED,
+    REASON_LEASE_EXPIRED_DONE,
+    REASON_NOT_REPORTED,
+    REASON_RELEASED,
+    REASON_WORKER_DROPPED,
+    BlockHolding,
+    StateOptions,
+    check_count,
+    check_ttl,
+    format_cursor,
+    parse_cursor,
+    parse_report,
+)
 
-MAX_EVENTS_PER_READ = 1000
 MIN_RETRY_AFTER_S = 0.05
 MAX_RETRY_AFTER_S = 5.0
-
-
-def check_ttl(ttl_s: float, name: str = "ttl_s") -> None:
-    if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and ttl_s > 0):
-        raise InvalidArgumentError(f"{name}: a finite number > 0, got {ttl_s!r}", field=name)
-
-
-def check_count(value: int, name: str, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InvalidArgumentError(f"{name}: an integer >= {minimum}, got {value!r}", field=name)
-
-
-def parse_report(report: BlockReport) -> dict[str, tuple[int, int]]:
-    """``ticket_id -> (attempt, num_blocks)`` from a worker's report; ``InvalidArgumentError``
-    for a malformed token, a non-positive count, a ticket named twice or more blocks than the
-    worker has."""
-    if not report.worker_id:
-        raise InvalidArgumentError("worker_id: required", field="worker_id")
-    check_count(report.num_total_blocks, "num_total_blocks", 0)
-    reported: dict[str, tuple[int, int]] = {}
-    for text, num_blocks in report.blocks_by_token.items():
-        try:
-            token = FencingToken.parse(text)
-        except ValueError:
-            token = FencingToken("", 0)
-        if not token.ticket_id or token.attempt < 1:
-            raise InvalidArgumentError(
-                f"blocks_by_token: bad token {text!r}", field="blocks_by_token"
-            )
-        check_count(num_blocks, "blocks_by_token", 1)
-        if token.ticket_id in reported:
-            raise InvalidArgumentError(
-                f"blocks_by_token: ticket {token.ticket_id} named twice", field="blocks_by_token"
-            )
-        reported[token.ticket_id] = (token.attempt, num_blocks)
-    num_reported = sum(num_blocks for _, num_blocks in reported.values())
-    if num_reported > report.num_total_blocks:
-        raise InvalidArgumentError(
-            f"blocks_by_token: {num_reported} blocks reported, worker has "
-            f"{report.num_total_blocks}",
-            field="blocks_by_token",
-        )
-    return reported
 
 
 def retry_after_s(now: float, lease_deadlines_s: list[float]) -> float:

@@ -30,7 +30,6 @@ reconciliation clean up what a lost reply leaves behind).
 from __future__ import annotations
 
 import base64
-
 import contextlib
 import functools
 import importlib.resources
@@ -55,27 +54,7 @@ from pdserve.common.errors import (
     StaleTokenError,
     UnavailableError,
 )
-from pdserve.state.factory import (
-    FREEING_STATES,
-    REASON_ADOPTED,
-    REASON_LEASE_EXPIRED,
-    REASON_LEASE_EXPIRED_DONE,
-    REASON_NOT_REPORTED,
-    REASON_RELEASED,
-    REASON_WORKER_DROPPED,
-    BlockHolding,
-    StateOptions,
-    format_cursor,
-    parse_cursor,
-)
-from pdserve.state.interfaces import WorkerStore
-from pdserve.state.memory_backend import (
-    MAX_EVENTS_PER_READ,
-    check_count,
-    check_ttl,
-    parse_report,
-)
-from pdserve.state.types import (
+from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
     Clock,
@@ -93,6 +72,24 @@ from pdserve.state.types import (
     WorkerRecord,
     WorkerRole,
     WorkerState,
+)
+from pdserve.state.interfaces import WorkerStore
+from pdserve.state.shared import (
+    FREEING_STATES,
+    MAX_EVENTS_PER_READ,
+    REASON_ADOPTED,
+    REASON_LEASE_EXPIRED,
+    REASON_LEASE_EXPIRED_DONE,
+    REASON_NOT_REPORTED,
+    REASON_RELEASED,
+    REASON_WORKER_DROPPED,
+    BlockHolding,
+    StateOptions,
+    check_count,
+    check_ttl,
+    format_cursor,
+    parse_cursor,
+    parse_report,
 )
 
 SCRIPT_CHUNK_TICKETS = 500

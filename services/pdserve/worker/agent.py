@@ -40,7 +40,7 @@ from pdserve.common.errors import (
     UnavailableError,
 )
 from pdserve.common.tokenizer import prefix_block_hashes
-from pdserve.state.types import FencingToken, TicketState, WorkerLoad, WorkerRole, WorkerState
+from pdserve.common.types import FencingToken, TicketState, WorkerLoad, WorkerRole, WorkerState
 from pdserve.worker.engine import BlockAllocator, Engine, Sequence
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.base import KvDestinationSpec, KvReceiver

@@ -11,7 +11,7 @@ from pdserve.api.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
 from pdserve.common.convert import load_to_pb, token_to_pb, worker_state_to_pb
 from pdserve.common.grpc_client import Backoff, call_with_retry, error_from_rpc_error
-from pdserve.state.types import FencingToken, TicketState, WorkerLoad, WorkerState
+from pdserve.common.types import FencingToken, TicketState, WorkerLoad, WorkerState
 from pdserve.worker.agent import TransferTiming
 from pdserve.worker.servicer import stats_to_pb
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from pdserve.common.errors import IllegalTransitionError, InvalidArgumentError, StaleTokenError
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 
 _UNOWNED = -1
 

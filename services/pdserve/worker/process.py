@@ -18,7 +18,7 @@ from pdserve.common.errors import ConfigError, NotFoundError, PdserveError, Unau
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.service_settings import WorkerSettings
-from pdserve.state.types import WorkerRole, WorkerState
+from pdserve.common.types import WorkerRole, WorkerState
 from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.control import GrpcControlPlane, PoolClient
 from pdserve.worker.engine import Engine

@@ -7,8 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import worker_pb2
-from pdserve.api.v1 import worker_pb2_grpc
+from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_from_pb, token_to_pb
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.worker.agent import TransferTiming, WorkerAgent

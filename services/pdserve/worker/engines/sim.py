@@ -1,6 +1,6 @@
 """The ``sim`` engine: a GPU running a model, simulated by the calibrated roofline.
 
-Timing comes from ``pdserve.capacity.perf_model`` (prefill time from FLOPs and bytes for the
+Timing comes from ``pdserve.perf.perf_model`` (prefill time from FLOPs and bytes for the
 prompt, decode step time from weight + KV bytes read by the batch), divided by ``speedup`` so
 tests run fast. KV accounting is exact: the block count comes from the capacity model (capped by
 ``max_num_blocks`` so a laptop can hold it) and every block id is a real block of a real buffer.
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.capacity.catalog import get_gpu, get_model
-from pdserve.capacity.kv_budget import CapacityConfig, capacity_report
-from pdserve.capacity.perf_model import PerfModel, perf_model_for
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import get_gpu, get_model
+from pdserve.perf.kv_budget import CapacityConfig, capacity_report
+from pdserve.perf.perf_model import PerfModel, perf_model_for
 from pdserve.worker.engine import KvCache, KvLayout, Sequence
 
 _MIN_SLEEP_S = 50e-6

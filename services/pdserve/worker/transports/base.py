@@ -45,7 +45,7 @@ from pdserve.common.errors import (
     PdserveError,
     UnavailableError,
 )
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
 

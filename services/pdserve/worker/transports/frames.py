@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.common.errors import InvalidArgumentError
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.common.errors import AlreadyExistsError, IllegalTransitionError
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.base import (

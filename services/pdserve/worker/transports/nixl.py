@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.common.errors import IllegalTransitionError, UnavailableError
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.base import (

@@ -73,7 +73,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.common.errors import IllegalTransitionError, InvalidArgumentError
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.base import (

@@ -23,7 +23,7 @@ from typing import Any
 
 from pdserve.common.errors import ConfigError, InvalidArgumentError
 
-_DATA_PACKAGE = "pdserve.capacity"
+_DATA_PACKAGE = "pdserve.perf"
 _DATA_DIR = "catalog"
 
 

@@ -18,20 +18,20 @@ import numpy as np
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc
 from pdserve.capacity import planner
 from pdserve.capacity.autoscaler import AutoscalerControls, PoolBounds
-from pdserve.capacity.catalog import get_gpu, get_model
 from pdserve.capacity.eplb import (
     PlacementPolicy,
     PlacementTopology,
     gpu_balancedness,
     plan_expert_placement,
 )
-from pdserve.capacity.experts import ExpertPlacementService
-from pdserve.capacity.governor import CapacityGovernor, DeploymentSpec
-from pdserve.capacity.kv_budget import CapacityConfig, capacity_report
 from pdserve.common.convert import role_from_pb, role_to_pb
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
+from pdserve.common.types import Clock, WorkerRole
 from pdserve.db.records import ScalingAction, ScalingDecisionRecord
-from pdserve.state.types import Clock, WorkerRole
+from pdserve.governor.autoscaling import CapacityGovernor, DeploymentSpec
+from pdserve.governor.experts import ExpertPlacementService
+from pdserve.perf.catalog import get_gpu, get_model
+from pdserve.perf.kv_budget import CapacityConfig, capacity_report
 
 SERVICE_NAME = "pdserve.api.v1.CapacityGovernorService"
 
@@ -247,7 +247,7 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
         return governor_pb2.SetAutoscalerControlsResponse()
 
     experts: ExpertPlacementService | None = None
-    """The expert-placement loop (``pdserve.capacity.experts``), set by the app."""
+    """The expert-placement loop (``pdserve.governor.experts``), set by the app."""
 
     async def GetCapacity(self, request: governor_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetCapacityResponse:
         if not request.model:

@@ -143,6 +143,18 @@ class Ticket:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """Statistics of one finished transfer, for the durable store and metrics."""
+
+    ticket: Ticket
+    num_bytes: int
+    prefill_compute_s: float
+    transfer_s: float
+    exposed_s: float
+    outcome: TicketState
+
+
+@dataclass(frozen=True, slots=True)
 class LedgerSnapshot:
     """Block counts of one decode worker's ledger. Invariant: reserved + held <= total."""
 

@@ -51,7 +51,6 @@ import numpy as np
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import governor_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.capacity.catalog import get_model
 from pdserve.capacity.eplb import (
     ExpertPlacement,
     PlacementPolicy,
@@ -68,9 +67,10 @@ from pdserve.common.errors import (
 )
 from pdserve.common.grpc_client import error_from_rpc_error
 from pdserve.common.metrics import counter, gauge
+from pdserve.common.types import Clock, WorkerRecord, WorkerRole, WorkerState
+from pdserve.perf.catalog import get_model
 from pdserve.state.expert_loads import ExpertLoadReport, ExpertLoadStore, expert_load_store_for
 from pdserve.state.interfaces import StateBackend, WorkerStore
-from pdserve.state.types import Clock, WorkerRecord, WorkerRole, WorkerState
 
 logger = logging.getLogger(__name__)
 

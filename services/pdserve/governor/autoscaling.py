@@ -62,10 +62,10 @@ from pdserve.capacity.scaling import (
 from pdserve.common.convert import role_to_pb
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
 from pdserve.common.grpc_client import error_from_rpc_error
+from pdserve.common.types import Clock, Ticket, WorkerRecord, WorkerRole, WorkerState
 from pdserve.db.records import DeploymentRecord, ScalingAction, ScalingDecisionRecord
 from pdserve.db.repository import Repository
 from pdserve.state.interfaces import StateBackend
-from pdserve.state.types import Clock, Ticket, WorkerRecord, WorkerRole, WorkerState
 
 logger = logging.getLogger(__name__)
 

@@ -45,6 +45,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from pdserve.common.errors import AlreadyExistsError, InvalidArgumentError
+from pdserve.common.types import TransferRecord, WorkerRecord, WorkerState
 from pdserve.db.engine import is_sqlite_memory
 from pdserve.db.records import (
     RequestWindowRecord,
@@ -53,8 +54,6 @@ from pdserve.db.records import (
     WorkerEventRecord,
 )
 from pdserve.db.repository import Repository
-from pdserve.kv_transfer.coordinator import TransferRecord
-from pdserve.state.types import WorkerRecord, WorkerState
 
 logger = logging.getLogger(__name__)
 

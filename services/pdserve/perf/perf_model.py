@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from pdserve.capacity.catalog import (
+from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import (
     AttentionKind,
     GpuSpec,
     ModelSpec,
@@ -42,8 +43,7 @@ from pdserve.capacity.catalog import (
     get_gpu,
     get_model,
 )
-from pdserve.capacity.kv_budget import check_tp_size, kv_bytes_per_token
-from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.kv_budget import check_tp_size, kv_bytes_per_token
 
 ACTIVATION_BYTES = 2
 """Width of the activations all-reduced between TP ranks (bf16)."""

@@ -16,21 +16,21 @@ from pdserve.capacity.autoscaler import (
     InstanceProfile,
     SizingConfig,
 )
-from pdserve.capacity.experts import ExpertPlacementService
-from pdserve.capacity.governor import (
+from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.leadership import LeaderElector, Lease
+from pdserve.common.service_settings import GovernorSettings
+from pdserve.common.types import Clock, WorkerRole
+from pdserve.db.repository import Repository
+from pdserve.governor.autoscaling import (
     CapacityGovernor,
     DeploymentSpec,
     GovernorConfig,
     GrpcTargetSetter,
     TargetSetter,
 )
-from pdserve.capacity.servicer import SERVICE_NAME, CapacityGovernorServicer
-from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.leadership import LeaderElector, Lease
-from pdserve.common.service_settings import GovernorSettings
-from pdserve.db.repository import Repository
+from pdserve.governor.experts import ExpertPlacementService
+from pdserve.governor.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.state.interfaces import StateBackend
-from pdserve.state.types import Clock, WorkerRole
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.capacity.catalog import Catalog, default_catalog
-from pdserve.capacity.perf_model import Efficiency, PerfModel, PhaseWork, calibrated_efficiency
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import Catalog, default_catalog
+from pdserve.perf.perf_model import Efficiency, PerfModel, PhaseWork, calibrated_efficiency
 
 SPLITWISE_CSV_REF = ("Mutinifni/splitwise-sim data/perf_model.csv "
                      "(commit 378088013a54df6f2052c27ff5ae6ea7619c3ecc)")
@@ -339,8 +339,8 @@ def efficiency_document(result: CalibrationResult, source: str = SPLITWISE_CSV_R
         return {f.name: float(f"{getattr(efficiency, f.name):.6g}") for f in fields(efficiency)}
 
     return {
-        "_comment": ("Efficiency factors of pdserve.capacity.perf_model, fitted by "
-                     "pdserve.capacity.calibration (bench/calibration.py --write-catalog) to "
+        "_comment": ("Efficiency factors of pdserve.perf.perf_model, fitted by "
+                     "pdserve.perf.calibration (bench/calibration.py --write-catalog) to "
                      "the measured profile named in 'source'. 'by_model_gpu' is used for that "
                      "exact pair; 'by_gpu' (all profiled models on that GPU) otherwise."),
         "source": source,

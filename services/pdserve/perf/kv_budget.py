@@ -27,8 +27,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdserve.capacity.catalog import AttentionKind, GpuSpec, ModelSpec
 from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import AttentionKind, GpuSpec, ModelSpec
 
 GIB = 1 << 30
 
