@@ -35,7 +35,6 @@ import pytest
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.service_settings import PoolSettings, RouterSettings, WorkerSettings
 from pdserve.common.settings import CommonSettings
 from pdserve.common.types import FencingToken, WorkerRole
 from pdserve.kv_transfer.app import CoordinatorApp
@@ -45,13 +44,16 @@ from pdserve.kv_transfer.rendezvous import MemoryRendezvous
 from pdserve.pool.app import PoolApp
 from pdserve.pool.servicer import SERVICE_NAME as POOL_SERVICE
 from pdserve.pool.servicer import PoolServicer
+from pdserve.pool.settings import PoolSettings
 from pdserve.router.app import RouterApp
+from pdserve.router.settings import RouterSettings
 from pdserve.state.factory import open_backend
 from pdserve.state.prefix_index import MemoryPrefixIndex
 from pdserve.worker.engine import KvCache
 from pdserve.worker.engines.tiny import kv_block_checksum
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.process import WorkerProcess
+from pdserve.worker.settings import WorkerSettings
 from pdserve.worker.transports import registry
 from pdserve.worker.transports.base import KvDestinationSpec, KvReceiver, KvSender, TransferResult
 

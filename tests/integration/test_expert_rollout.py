@@ -22,7 +22,6 @@ import sqlalchemy as sa
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.service_settings import PoolSettings, RouterSettings, WorkerSettings
 from pdserve.common.settings import CommonSettings
 from pdserve.common.types import WorkerRole, WorkerState
 from pdserve.db import Repository, make_engine, normalize_url, upgrade
@@ -37,13 +36,16 @@ from pdserve.kv_transfer.coordinator import CoordinatorPolicy
 from pdserve.kv_transfer.local_client import LocalTicketClient
 from pdserve.kv_transfer.rendezvous import MemoryRendezvous
 from pdserve.pool.app import PoolApp
+from pdserve.pool.settings import PoolSettings
 from pdserve.router.app import RouterApp
+from pdserve.router.settings import RouterSettings
 from pdserve.state.expert_loads import ExpertLoadReport, expert_load_store_for
 from pdserve.state.factory import StateOptions
 from pdserve.state.prefix_index import MemoryPrefixIndex
 from pdserve.state.redis_backend import RedisStateBackend
 from pdserve.worker.engines.sim import expert_popularity
 from pdserve.worker.process import WorkerProcess
+from pdserve.worker.settings import WorkerSettings
 
 MODEL = "mixtral-8x7b"
 NUM_MOE_LAYERS = 4

@@ -15,7 +15,6 @@ import pytest
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.common.clock import ManualClock
 from pdserve.common.errors import CapacityError, ConfigError, InvalidArgumentError
-from pdserve.common.service_settings import RouterSettings
 from pdserve.common.settings import parse_settings
 from pdserve.common.types import TicketSpec, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.router.admission import (
@@ -29,6 +28,7 @@ from pdserve.router.admission import (
 from pdserve.router.app import admission_config
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.pool_view import PoolView
+from pdserve.router.settings import RouterSettings
 from pdserve.router.types import GenerationRequest, PrefillMode
 
 RATE = 1000.0  # tokens/s of the simulated worker

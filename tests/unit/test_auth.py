@@ -391,10 +391,10 @@ def test_settings_check_kv_tls_needs_tls_files() -> None:
 async def test_pool_join_tokens_rotate_without_a_restart(tmp_path: Path) -> None:
     import time
 
-    from pdserve.common.service_settings import PoolSettings
     from pdserve.common.types import WorkerRole
     from pdserve.pool.app import PoolApp
     from pdserve.pool.manager import Registration
+    from pdserve.pool.settings import PoolSettings
     from pdserve.state.factory import open_backend
     from pdserve.state.prefix_index import MemoryPrefixIndex
 

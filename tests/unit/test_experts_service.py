@@ -24,7 +24,6 @@ from pdserve.capacity.eplb import (
 )
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
 from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.service_settings import GovernorSettings
 from pdserve.common.types import WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.db import Repository, upgrade
 from pdserve.governor.app import GovernorApp
@@ -43,6 +42,7 @@ from pdserve.governor.experts import (
     pool_topology,
     replan_reason,
 )
+from pdserve.governor.settings import GovernorSettings
 from pdserve.pool.manager import Heartbeat, PoolManager, PoolPolicy, Registration
 from pdserve.state.expert_loads import (
     ExpertLoadReport,

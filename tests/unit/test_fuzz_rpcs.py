@@ -92,32 +92,31 @@ class InProcessStack:
 
     async def _start(self) -> None:
         from pdserve.api.v1 import pool_pb2_grpc
-        from pdserve.cli.assembly import open_stores
         from pdserve.common.grpc_server import GrpcServer
-        from pdserve.common.service_settings import (
-            GovernorSettings,
-            PoolSettings,
-            RouterSettings,
-            WorkerSettings,
-        )
         from pdserve.common.settings import CommonSettings
         from pdserve.common.types import WorkerRole
         from pdserve.governor.app import GovernorApp
+        from pdserve.governor.settings import GovernorSettings
         from pdserve.kv_transfer.app import CoordinatorApp
         from pdserve.kv_transfer.coordinator import CoordinatorPolicy
         from pdserve.kv_transfer.local_client import LocalTicketClient
+        from pdserve.kv_transfer.rendezvous import MemoryRendezvous
         from pdserve.pool.app import PoolApp
         from pdserve.pool.servicer import SERVICE_NAME as POOL_SERVICE
         from pdserve.pool.servicer import PoolServicer
+        from pdserve.pool.settings import PoolSettings
         from pdserve.router.app import RouterApp
+        from pdserve.router.settings import RouterSettings
+        from pdserve.state.stores import open_stores
         from pdserve.worker.process import WorkerProcess
+        from pdserve.worker.settings import WorkerSettings
 
         common = CommonSettings(redis_url="memory://", database_url="sqlite://",
                                 metrics_port=-1, grace_period_s=0.0)
-        stores = open_stores(common)
+        stores = open_stores(common.redis_url)
         server = GrpcServer.from_settings(common)
         coordinator = CoordinatorApp(stores.backend, time.time, CoordinatorPolicy(),
-                                     stores.rendezvous, common)
+                                     MemoryRendezvous(), common)
         coordinator.register(server)
         pools = {
             role: PoolApp(PoolSettings(role=role, join_token=JOIN_TOKEN, deployments=(MODEL,)),

@@ -47,10 +47,10 @@ def client_channel(address: str, args: argparse.Namespace) -> grpc.aio.Channel:
 
 class _Bearer:
     def __init__(self, api_key: str) -> None:
-        self.metadata = (("authorization", f"Bearer {api_key}"),)
+        self.header = ("authorization", f"Bearer {api_key}")
 
     def details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = tuple(details.metadata or ()) + self.metadata
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self.header)
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
                                           details.credentials, details.wait_for_ready)
 
@@ -59,7 +59,7 @@ class _BearerUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, api_key: str) -> None:
         self._bearer = _Bearer(api_key)
 
-    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._bearer.details(details), request)
 
 
@@ -67,5 +67,5 @@ class _BearerUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     def __init__(self, api_key: str) -> None:
         self._bearer = _Bearer(api_key)
 
-    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._bearer.details(details), request)

@@ -9,7 +9,9 @@ from pdserve.common.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("upgrade", "current"), help="upgrade to head, or show the revision")
+    parser.add_argument(
+        "action", choices=("upgrade", "current"), help="upgrade to head, or show the revision"
+    )
     parser.add_argument("--database-url", default=None,
                         help="SQLAlchemy URL [PDSERVE_DATABASE_URL; default sqlite:///pdserve.db]")
     parser.add_argument("--revision", default="head", help="target revision of upgrade")

@@ -66,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "live":
         return asyncio.run(_live(args))
     if args.loads is None:
-        raise InvalidArgumentError("--loads: required without 'live' (or use 'pdserve experts live')",
-                                   field="loads")
+        raise InvalidArgumentError(
+            "--loads: required without 'live' (or use 'pdserve experts live')", field="loads"
+        )
     return _offline(args)
 
 
@@ -78,7 +79,7 @@ def read_loads(path: Path, key: str) -> np.ndarray:
     """``float64[layers, experts]`` from ``path`` (one matrix, or ``key`` of an object of them)."""
     try:
         opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt") as handle:  # type: ignore[operator]
+        with opener(path, "rt") as handle:
             document = json.load(handle)
     except FileNotFoundError:
         raise InvalidArgumentError(f"--loads: no such file {path}", field="loads") from None

@@ -13,11 +13,16 @@ from pdserve.cli.client_options import add_client_arguments, client_channel
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_client_arguments(parser)
     parser.add_argument("prompt", help="prompt text")
-    parser.add_argument("--address", default=os.environ.get("PDSERVE_ROUTER_ADDRESS", "127.0.0.1:50051"),
-                        help="router gRPC address [PDSERVE_ROUTER_ADDRESS; default 127.0.0.1:50051]")
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("PDSERVE_ROUTER_ADDRESS", "127.0.0.1:50051"),
+        help="router gRPC address [PDSERVE_ROUTER_ADDRESS; default 127.0.0.1:50051]",
+    )
     parser.add_argument("--model", default=os.environ.get("PDSERVE_MODEL", ""),
                         help="model name [PDSERVE_MODEL; default: the only one served]")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens to generate (default 32)"
+    )
     parser.add_argument("--prefill-mode", choices=("auto", "remote", "local"), default="auto")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="deadline of the call")
 
@@ -43,7 +48,9 @@ async def _generate(args: argparse.Namespace) -> int:
                 models = await stub.ListModels(router_pb2.ListModelsRequest(), timeout=10)
                 if len(models.models) != 1:
                     names = ", ".join(m.name for m in models.models) or "none"
-                    print(f"pdserve generate: --model is required (served: {names})", file=sys.stderr)
+                    print(
+                        f"pdserve generate: --model is required (served: {names})", file=sys.stderr
+                    )
                     return 2
                 model = models.models[0].name
             call = stub.Generate(router_pb2.GenerateRequest(

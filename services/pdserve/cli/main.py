@@ -14,16 +14,34 @@ from pdserve.common.errors import PdserveError
 # command name -> (module, help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.cli.up", "run the whole stack on this machine (embedded state, sim workers)"),
-    "serve": ("pdserve.cli.serve", "run one service in this process (router, a pool manager, the coordinator, the governor or a worker)"),
+    "serve": (
+        "pdserve.cli.serve",
+        "run one service in this process: router, a pool manager, coordinator, governor, worker",
+    ),
     "generate": ("pdserve.cli.generate", "send one prompt to a router and stream the tokens"),
     "status": ("pdserve.cli.status", "pools, workers, tickets and KV use as a table"),
     "db": ("pdserve.cli.db", "database schema: upgrade, current"),
     "tokenizer": ("pdserve.cli.tokenizer_cmd", "export the built-in tokenizer as a folder"),
-    "capacity": ("pdserve.cli.capacity_cmd", "KV-cache capacity per TP size: blocks, tokens, concurrency for a length mix"),
-    "plan": ("pdserve.cli.plan", "prefill and decode instance counts for a demand and SLO, with a P:D sweep plot"),
-    "simulate": ("pdserve.cli.simulate", "replay a trace through a simulated cluster running the live policies"),
-    "experts": ("pdserve.cli.experts", "per-GPU expert load before/after a placement: table and heat map"),
-    "audit": ("pdserve.cli.audit", "reconcile decode ledgers with worker block tables; compare KV block checksums"),
+    "capacity": (
+        "pdserve.cli.capacity_cmd",
+        "KV-cache capacity per TP size: blocks, tokens, concurrency for a length mix",
+    ),
+    "plan": (
+        "pdserve.cli.plan",
+        "prefill and decode instance counts for a demand and SLO, with a P:D sweep plot",
+    ),
+    "simulate": (
+        "pdserve.cli.simulate",
+        "replay a trace through a simulated cluster running the live policies",
+    ),
+    "experts": (
+        "pdserve.cli.experts",
+        "per-GPU expert load before/after a placement: table and heat map",
+    ),
+    "audit": (
+        "pdserve.cli.audit",
+        "reconcile decode ledgers with worker block tables; compare KV block checksums",
+    ),
     "certs": ("pdserve.cli.certs", "make a development CA and mutual-TLS certificates"),
 }
 

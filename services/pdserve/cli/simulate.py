@@ -13,7 +13,9 @@ import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="trace file (Azure 2023 CSV or Mooncake JSONL)")
+    parser.add_argument(
+        "--trace", required=True, help="trace file (Azure 2023 CSV or Mooncake JSONL)"
+    )
     parser.add_argument("--format", choices=("azure", "mooncake"), default=None,
                         help="trace format (default: by suffix, .jsonl = mooncake)")
     parser.add_argument("--model", default="llama-3.1-70b", help="catalog model")
@@ -46,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--max-queued", type=int, default=4096,
                         help="router admission queue bound; beyond it requests are rejected")
-    parser.add_argument("--out", default="sim-out", help="directory for summary.json and timeline.png")
+    parser.add_argument(
+        "--out", default="sim-out", help="directory for summary.json and timeline.png"
+    )
     parser.add_argument("--no-plot", action="store_true", help="do not write timeline.png")
 
 

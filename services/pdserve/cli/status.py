@@ -15,9 +15,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = os.environ.get("PDSERVE_ADDRESS", "127.0.0.1:50051")
     parser.add_argument("--address", default=default,
                         help="address serving every service (pdserve up) [PDSERVE_ADDRESS]")
-    parser.add_argument("--prefill-pool-address", default=None, help="prefill pool manager, if separate")
-    parser.add_argument("--decode-pool-address", default=None, help="decode pool manager, if separate")
-    parser.add_argument("--coordinator-address", default=None, help="KV-transfer coordinator, if separate")
+    parser.add_argument(
+        "--prefill-pool-address", default=None, help="prefill pool manager, if separate"
+    )
+    parser.add_argument(
+        "--decode-pool-address", default=None, help="decode pool manager, if separate"
+    )
+    parser.add_argument(
+        "--coordinator-address", default=None, help="KV-transfer coordinator, if separate"
+    )
     parser.add_argument("--deployment", default="", help="only this deployment")
 
 
@@ -26,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
     body = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join([line, "  ".join("-" * w for w in widths), *body])
@@ -50,16 +58,24 @@ async def _status(args: argparse.Namespace) -> int:
                     pool_pb2.ListWorkersRequest(deployment=args.deployment, role=role), timeout=10)
                 for w in response.workers:
                     load = w.load
-                    rows.append([
-                        w.deployment, pb.WorkerRole.Name(w.role).removeprefix("WORKER_ROLE_").lower(),
-                        w.worker_id, pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
-                        w.address, str(load.num_queued_prefill_tokens), str(load.num_running_seqs),
-                        f"{load.num_free_blocks}/{load.num_total_blocks}",
-                    ])
+                    rows.append(
+                        [
+                            w.deployment,
+                            pb.WorkerRole.Name(w.role).removeprefix("WORKER_ROLE_").lower(),
+                            w.worker_id,
+                            pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
+                            w.address,
+                            str(load.num_queued_prefill_tokens),
+                            str(load.num_running_seqs),
+                            f"{load.num_free_blocks}/{load.num_total_blocks}",
+                        ]
+                    )
         async with client_channel(args.coordinator_address or args.address, args) as channel:
-            stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
-            ledger = await stub.GetLedger(kv_transfer_pb2.GetLedgerRequest(deployment=args.deployment), timeout=10)
-            tickets = await stub.ListTickets(kv_transfer_pb2.ListTicketsRequest(limit=10_000), timeout=10)
+            coordinator = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
+            ledger = await coordinator.GetLedger(
+                kv_transfer_pb2.GetLedgerRequest(deployment=args.deployment), timeout=10)
+            tickets = await coordinator.ListTickets(
+                kv_transfer_pb2.ListTicketsRequest(limit=10_000), timeout=10)
     except grpc.RpcError as exc:
         error = error_from_rpc_error(exc)
         print(f"pdserve status: {error.code.name}: {error.message}", file=sys.stderr)

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.common.service_settings import DEFAULT_GPU, DEFAULT_MODEL, TENANT_FLOATS, TENANT_INTS
 from pdserve.common.settings import (
     DATABASE_URL,
     DURATION_S,
@@ -27,6 +26,8 @@ from pdserve.common.settings import (
     setting,
     settings_from_namespace,
 )
+from pdserve.perf.catalog import DEFAULT_GPU, DEFAULT_MODEL
+from pdserve.router.settings import TENANT_FLOATS, TENANT_INTS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,36 +35,84 @@ class UpSettings(CommonSettings):
     """The one-machine stack."""
 
     service_name: str = setting("pdserve-up", help="Service name in logs, traces and metrics.")
-    grpc_port: int = setting(50051, parser=PORT, help="gRPC port of every control-plane service; 0 = any.")
-    http_port: int = setting(8000, parser=PORT_OR_OFF, help="OpenAI-compatible HTTP port; 0 = any, -1 = off.")
-    database_url: str = setting("sqlite://", parser=DATABASE_URL, help="Durable store; default in-memory SQLite (nothing kept).")
+    grpc_port: int = setting(
+        50051, parser=PORT,
+        help="gRPC port of every control-plane service; 0 = any.")
+    http_port: int = setting(
+        8000, parser=PORT_OR_OFF,
+        help="OpenAI-compatible HTTP port; 0 = any, -1 = off.")
+    database_url: str = setting(
+        "sqlite://", parser=DATABASE_URL,
+        help="Durable store; default in-memory SQLite (nothing kept).")
     metrics_port: int = setting(-1, parser=PORT_OR_OFF, help="Prometheus port; -1 = off.")
     log_format: LogFormat = setting(LogFormat.TEXT, help="json or text.")
     model: str = setting(DEFAULT_MODEL, help="Model (deployment) to serve, from the catalog.")
     gpu: str = setting(DEFAULT_GPU, help="GPU from the catalog the sim workers model.")
     num_prefill: int = setting(2, parser=int_range(0, 64), help="Prefill workers.")
     num_decode: int = setting(2, parser=int_range(1, 64), help="Decode workers.")
-    speedup: float = setting(1.0, parser=float_range(1e-3, 1e12), help="Sim speed-up of the workers.")
-    cold_start_s: float = setting(0.0, parser=DURATION_S, help="Simulated cold start of each worker.")
+    speedup: float = setting(
+        1.0, parser=float_range(1e-3, 1e12),
+        help="Sim speed-up of the workers.")
+    cold_start_s: float = setting(
+        0.0, parser=DURATION_S,
+        help="Simulated cold start of each worker.")
     transport: str = setting("tcp", help="KV transport between workers.")
-    engine: str = setting("sim", help="Engine of the workers: sim (roofline timing) or tiny (a real small transformer on the CPU; its KV and tokens are real).")
-    join_token: str = setting("", help="Worker join token; empty = a fresh random one.", is_secret=True)
-    worker_tls_cert_path: Path | None = setting(None, help="With TLS: the workers' certificate (default worker.pem beside tls_cert_path, as pdserve certs writes it).")
-    worker_tls_key_path: Path | None = setting(None, help="With TLS: the key of worker_tls_cert_path (default worker.key beside tls_cert_path).")
-    max_num_blocks: int = setting(8192, parser=int_range(16, 10_000_000), help="KV blocks per sim worker (cap).")
-    local_prefill_threshold_tokens: int = setting(64, parser=int_range(0, 10_000_000), help="Uncached prompt tokens at or below which decode prefills itself.")
-    is_autoscaling: bool = setting(False, help="Let the governor's autoscaler set the pool sizes (off: it records recommendations only).")
+    engine: str = setting(
+        "sim",
+        help="Engine of the workers: sim (roofline timing) or tiny (a real small transformer on "
+             "the CPU; its KV and tokens are real).")
+    join_token: str = setting(
+        "", help="Worker join token; empty = a fresh random one.", is_secret=True
+    )
+    worker_tls_cert_path: Path | None = setting(
+        None,
+        help="With TLS: the workers' certificate (default worker.pem beside tls_cert_path, as "
+             "pdserve certs writes it).")
+    worker_tls_key_path: Path | None = setting(
+        None,
+        help="With TLS: the key of worker_tls_cert_path (default worker.key beside tls_cert_path).")
+    max_num_blocks: int = setting(
+        8192, parser=int_range(16, 10_000_000),
+        help="KV blocks per sim worker (cap).")
+    local_prefill_threshold_tokens: int = setting(
+        64, parser=int_range(0, 10_000_000),
+        help="Uncached prompt tokens at or below which decode prefills itself.")
+    is_autoscaling: bool = setting(
+        False,
+        help="Let the governor's autoscaler set the pool sizes (off: it records recommendations "
+             "only).")
     # Router SLOs, admission and load shedding (see RouterSettings).
-    slo_ttft_ms: float = setting(2000.0, parser=float_range(0.001, 1e9), help="TTFT SLO (goodput and shedding), ms.")
-    slo_tpot_ms: float = setting(100.0, parser=float_range(0.001, 1e9), help="TPOT SLO for goodput, ms.")
-    max_in_flight: int = setting(4096, parser=int_range(1, 1_000_000), help="Requests the router admits at once.")
-    is_shedding_enabled: bool = setting(True, help="Shed requests predicted to miss the TTFT SLO, and tenants over their share of a saturated queue.")
-    shed_ttft_fraction: float = setting(0.8, parser=float_range(0.01, 100.0), help="Shed when the predicted TTFT exceeds this fraction of slo_ttft_ms.")
-    fair_share_onset: float = setting(0.5, parser=float_range(0.01, 1.0), help="Queue saturation beyond which tenants over their share are shed.")
-    max_pending_requests: int = setting(1024, parser=int_range(1, 1_000_000), help="Router queue bound: admitted requests whose prefill has not finished.")
-    tenant_share: float = setting(0.5, parser=float_range(0.001, 1.0), help="Default in-flight cap of a tenant, fraction of max_in_flight.")
-    tenant_max_in_flight: tuple[tuple[str, int], ...] = setting((), parser=TENANT_INTS, help="Per-tenant in-flight caps, tenant=N pairs.")
-    tenant_weights: tuple[tuple[str, float], ...] = setting((), parser=TENANT_FLOATS, help="Fair-share weights, tenant=W pairs.")
+    slo_ttft_ms: float = setting(
+        2000.0, parser=float_range(0.001, 1e9),
+        help="TTFT SLO (goodput and shedding), ms.")
+    slo_tpot_ms: float = setting(
+        100.0, parser=float_range(0.001, 1e9),
+        help="TPOT SLO for goodput, ms.")
+    max_in_flight: int = setting(
+        4096, parser=int_range(1, 1_000_000),
+        help="Requests the router admits at once.")
+    is_shedding_enabled: bool = setting(
+        True,
+        help="Shed requests predicted to miss the TTFT SLO, and tenants over their share of a "
+             "saturated queue.")
+    shed_ttft_fraction: float = setting(
+        0.8, parser=float_range(0.01, 100.0),
+        help="Shed when the predicted TTFT exceeds this fraction of slo_ttft_ms.")
+    fair_share_onset: float = setting(
+        0.5, parser=float_range(0.01, 1.0),
+        help="Queue saturation beyond which tenants over their share are shed.")
+    max_pending_requests: int = setting(
+        1024, parser=int_range(1, 1_000_000),
+        help="Router queue bound: admitted requests whose prefill has not finished.")
+    tenant_share: float = setting(
+        0.5, parser=float_range(0.001, 1.0),
+        help="Default in-flight cap of a tenant, fraction of max_in_flight.")
+    tenant_max_in_flight: tuple[tuple[str, int], ...] = setting(
+        (), parser=TENANT_INTS,
+        help="Per-tenant in-flight caps, tenant=N pairs.")
+    tenant_weights: tuple[tuple[str, float], ...] = setting(
+        (), parser=TENANT_FLOATS,
+        help="Fair-share weights, tenant=W pairs.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,38 +156,55 @@ def worker_tls_args(settings: UpSettings) -> list[str]:
 
 
 async def _up(settings: UpSettings) -> int:
-    from pdserve.cli.assembly import open_durable, open_stores
     from pdserve.common.grpc_server import GrpcServer
     from pdserve.common.runtime import setup_process, stop_on_signals
-    from pdserve.common.service_settings import PoolSettings, RouterSettings
     from pdserve.common.types import WorkerRole
-    from pdserve.db.durable import LifecycleSinkAdapter, TransferSinkAdapter, WindowWriterAdapter
+    from pdserve.db.durable import (
+        LifecycleSinkAdapter,
+        TransferSinkAdapter,
+        WindowWriterAdapter,
+        open_durable,
+    )
     from pdserve.governor.app import GovernorApp
     from pdserve.kv_transfer.app import CoordinatorApp
     from pdserve.kv_transfer.coordinator import CoordinatorPolicy
     from pdserve.kv_transfer.local_client import LocalTicketClient
+    from pdserve.kv_transfer.rendezvous import open_rendezvous
     from pdserve.pool.app import PoolApp
     from pdserve.pool.provisioner import LocalProcessProvisioner
     from pdserve.pool.servicer import PoolServicer
+    from pdserve.pool.settings import PoolSettings
     from pdserve.router.app import RouterApp
+    from pdserve.router.settings import RouterSettings
+    from pdserve.state.stores import open_stores
 
     runtime = setup_process(settings)
     stop = asyncio.Event()
     stop_on_signals(stop)
-    stores = open_stores(settings)
-    durable = open_durable(settings, migrate=True)
+    stores = open_stores(settings.redis_url)
+    durable = open_durable(settings.database_url, settings.durable_spool_dir,
+                           settings.service_name, migrate=True)
     join_token = settings.join_token or secrets.token_hex(16)
     env = dict(os.environ, PDSERVE_JOIN_TOKEN=join_token)
     server = GrpcServer.from_settings(settings)
 
-    coordinator = CoordinatorApp(stores.backend, time.time, CoordinatorPolicy(), stores.rendezvous,
-                                 settings, TransferSinkAdapter(durable) if durable else None)
+    coordinator = CoordinatorApp(stores.backend, time.time, CoordinatorPolicy(),
+                                 open_rendezvous(stores.redis_client), settings,
+                                 TransferSinkAdapter(durable) if durable else None)
     coordinator.register(server)
     pools = {}
-    for role, count in ((WorkerRole.PREFILL, settings.num_prefill), (WorkerRole.DECODE, settings.num_decode)):
-        pool_settings = PoolSettings(role=role, join_token=join_token, deployments=(settings.model,),
-                                     is_provisioning=True, initial_target_size=count,
-                                     grpc_port=settings.grpc_port)
+    for role, count in (
+        (WorkerRole.PREFILL, settings.num_prefill),
+        (WorkerRole.DECODE, settings.num_decode),
+    ):
+        pool_settings = PoolSettings(
+            role=role,
+            join_token=join_token,
+            deployments=(settings.model,),
+            is_provisioning=True,
+            initial_target_size=count,
+            grpc_port=settings.grpc_port,
+        )
         pools[role] = PoolApp(pool_settings, stores.backend, stores.prefix_index, time.time,
                               LocalProcessProvisioner(env=env),
                               LifecycleSinkAdapter(durable) if durable else None)
@@ -147,7 +213,9 @@ async def _up(settings: UpSettings) -> int:
     from pdserve.api.v1 import pool_pb2_grpc
     from pdserve.pool.servicer import SERVICE_NAME as POOL_SERVICE
 
-    server.add_servicer(POOL_SERVICE, pool_pb2_grpc.add_PoolServiceServicer_to_server, PoolServicerAll)
+    server.add_servicer(
+        POOL_SERVICE, pool_pb2_grpc.add_PoolServiceServicer_to_server, PoolServicerAll
+    )
     router_settings = RouterSettings(
         http_host=settings.grpc_host, http_port=settings.http_port,
         coordinator_address="127.0.0.1:1", transport=settings.transport,
@@ -165,8 +233,8 @@ async def _up(settings: UpSettings) -> int:
                        LocalTicketClient(coordinator.coordinator),
                        WindowWriterAdapter(durable) if durable else None)
     router.register(server)
-    from pdserve.common.service_settings import GovernorSettings
     from pdserve.governor.autoscaling import ManagerTargetSetter
+    from pdserve.governor.settings import GovernorSettings
 
     governor = GovernorApp(
         GovernorSettings(autoscale_deployments=(settings.model,), autoscale_gpu=settings.gpu,
@@ -182,11 +250,30 @@ async def _up(settings: UpSettings) -> int:
     port = await server.start()
     address = f"{settings.grpc_host}:{port}"
     worker_args = [
-        "--pool-address", address, "--coordinator-address", address, "--model", settings.model,
-        "--gpu", settings.gpu, "--speedup", str(settings.speedup),
-        "--cold-start-s", str(settings.cold_start_s), "--transport", settings.transport,
-        "--engine", settings.engine, "--max-num-blocks", str(settings.max_num_blocks), "--log-format", "text",
-        "--log-level", "WARNING", "--metrics-port", "-1",
+        "--pool-address",
+        address,
+        "--coordinator-address",
+        address,
+        "--model",
+        settings.model,
+        "--gpu",
+        settings.gpu,
+        "--speedup",
+        str(settings.speedup),
+        "--cold-start-s",
+        str(settings.cold_start_s),
+        "--transport",
+        settings.transport,
+        "--engine",
+        settings.engine,
+        "--max-num-blocks",
+        str(settings.max_num_blocks),
+        "--log-format",
+        "text",
+        "--log-level",
+        "WARNING",
+        "--metrics-port",
+        "-1",
     ]
     for pool in pools.values():
         pool.manager._provisioner.base_args = [*worker_args, *worker_tls_args(settings)]  # type: ignore[union-attr]

@@ -278,9 +278,15 @@ class DurableWriter:
         """Until every record submitted so far is on disk (or written); True if so."""
         with self._cond:
             target = self.num_submitted
-            return self._cond.wait_for(
-                lambda: self.num_spooled + self.num_dropped >= target or not self._thread.is_alive(),
-                timeout_s) and self.num_spooled + self.num_dropped >= target
+            return (
+                self._cond.wait_for(
+                    lambda: (
+                        self.num_spooled + self.num_dropped >= target or not self._thread.is_alive()
+                    ),
+                    timeout_s,
+                )
+                and self.num_spooled + self.num_dropped >= target
+            )
 
     def wait_written(self, timeout_s: float = 10.0) -> bool:
         """Until nothing submitted so far waits for the database; True if so."""
@@ -307,7 +313,9 @@ class DurableWriter:
 
     # -- sinks --------------------------------------------------------------------------------
 
-    def record_worker_event(self, worker: WorkerRecord, from_state: WorkerState | None, reason: str) -> None:
+    def record_worker_event(
+        self, worker: WorkerRecord, from_state: WorkerState | None, reason: str
+    ) -> None:
         self.submit_record(RecordKind.WORKER_EVENT, WorkerEventRecord(
             worker_id=worker.worker_id, deployment=worker.deployment, role=worker.role,
             to_state=worker.state, from_state=from_state, reason=reason[:500],
@@ -344,6 +352,7 @@ class DurableWriter:
             if self.spool is not None and now >= next_adoption and stop_by is None:
                 self._adopt()
                 next_adoption = now + ADOPT_INTERVAL_S
+            wait_s: float | None
             if self._pending and now < next_attempt:
                 wait_s = next_attempt - now
             elif self._pending:
@@ -488,6 +497,24 @@ def open_writer(repository: Repository, database_url: str, spool_dir: Path | Non
     if is_sqlite_memory(make_url(database_url)):
         return DurableWriter(repository)
     return DurableWriter(repository, Spool(spool_folder(spool_dir, database_url), name))
+
+
+def open_durable(database_url: str, spool_dir: Path | None, name: str, *,
+                 migrate: bool) -> DurableWriter | None:
+    """The durable writer of a service process, or None (with a warning) when the database
+    cannot be used: serving never depends on the durable store. ``migrate`` upgrades the
+    schema first (the one-machine stack; a fleet runs ``pdserve db upgrade`` as a job)."""
+    from pdserve.db.migrate import upgrade
+
+    try:
+        repository = Repository.from_url(database_url)
+        if migrate:
+            upgrade(repository.engine)
+        return open_writer(repository, database_url, spool_dir, name)
+    except Exception as exc:  # noqa: BLE001 - serving does not depend on the durable store
+        logger.warning("durable store unavailable (%s): decisions and outcomes are not recorded",
+                       exc)
+        return None
 
 
 # -- adapters -----------------------------------------------------------------------------------

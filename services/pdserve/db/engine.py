@@ -77,8 +77,9 @@ def make_engine(url: str | URL, **engine_kwargs: Any) -> Engine:
 
     SQLite files get their parent directory created, WAL journaling (readers never wait for the
     writer) and a 5 s busy timeout; an in-memory SQLite engine keeps a single shared connection so
-    every thread sees the same database (``Repository`` then runs one transaction at a time). Postgres connections are checked before use, so a
-    database restart costs one failed ping, not one failed call.
+    every thread sees the same database (``Repository`` then runs one transaction at a time).
+    Postgres connections are checked before use, so a database restart costs one failed ping,
+    not one failed call.
     """
     checked = normalize_url(url)
     kwargs: dict[str, Any] = {"json_serializer": json_serializer}

@@ -138,7 +138,7 @@ def check_at_head(target: Target) -> None:
 def _is_pdserve_table(name: str | None, type_: str, _parent: Any) -> bool:
     if type_ != "table":
         return True
-    return bool(name) and name.startswith(TABLE_PREFIX) and name != VERSION_TABLE
+    return name is not None and name.startswith(TABLE_PREFIX) and name != VERSION_TABLE
 
 
 def schema_diff(target: Target) -> list[Any]:

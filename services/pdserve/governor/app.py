@@ -17,9 +17,10 @@ from pdserve.capacity.autoscaler import (
     SizingConfig,
 )
 from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.leadership import LeaderElector, Lease
-from pdserve.common.service_settings import GovernorSettings
+from pdserve.common.leadership import LeaderElector, Lease, holder_id, open_lease
+from pdserve.common.service import GrpcService
 from pdserve.common.types import Clock, WorkerRole
+from pdserve.db.durable import DurableWriter, open_durable
 from pdserve.db.repository import Repository
 from pdserve.governor.autoscaling import (
     CapacityGovernor,
@@ -30,7 +31,9 @@ from pdserve.governor.autoscaling import (
 )
 from pdserve.governor.experts import ExpertPlacementService
 from pdserve.governor.servicer import SERVICE_NAME, CapacityGovernorServicer
+from pdserve.governor.settings import GovernorSettings
 from pdserve.state.interfaces import StateBackend
+from pdserve.state.stores import open_stores
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ def deployment_specs(settings: GovernorSettings,
 
 
 class GovernorApp:
-    def __init__(self, settings: GovernorSettings, durable: object = None,
+    def __init__(self, settings: GovernorSettings, durable: DurableWriter | None = None,
                  backend: StateBackend | None = None, *,
                  target_setter: TargetSetter | None = None, clock: Clock = time.time,
                  lease: Lease | None = None, lease_ttl_s: float = 5.0) -> None:
@@ -75,7 +78,7 @@ class GovernorApp:
         self.settings = settings
         self.elector = LeaderElector(lease, lease_ttl_s) if lease is not None else None
         self.servicer = CapacityGovernorServicer(clock=clock)
-        repository: Repository | None = getattr(durable, "repository", None)
+        repository = durable.repository if durable is not None else None
         # Expert placement (EPLB): loads from the pools' hot state, versions in the durable store.
         self.experts = ExpertPlacementService(settings, backend, repository)
         self.servicer.experts = self.experts
@@ -148,3 +151,16 @@ class GovernorApp:
         for channel in self._channels:
             await channel.close()
         await self.experts.close()
+
+
+def build(settings: GovernorSettings) -> GrpcService:
+    """The governor as its own process. Its replicas share a lease (active/standby): only the
+    holder autoscales. It reads the pools' hot state through its own backend."""
+    stores = open_stores(settings.redis_url)
+    durable = open_durable(settings.database_url, settings.durable_spool_dir,
+                           settings.service_name, migrate=False)
+    app = GovernorApp(settings, durable, lease=open_lease(stores.redis_client, "governor",
+                                                          holder_id()),
+                      lease_ttl_s=settings.leader_lease_s)
+    return GrpcService(settings.service_name, settings, app,
+                       [stores.close, *([durable.close] if durable else [])])

@@ -135,7 +135,7 @@ class ExpertPolicy:
     def from_settings(cls, settings: object) -> ExpertPolicy:
         """From ``GovernorSettings``; the defaults for any other settings object (the one-machine
         stack passes its own)."""
-        from pdserve.common.service_settings import GovernorSettings
+        from pdserve.governor.settings import GovernorSettings
 
         if not isinstance(settings, GovernorSettings):
             return cls()

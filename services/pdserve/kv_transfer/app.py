@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from pdserve.api.v1 import kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_to_pb
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.service import GrpcService
 from pdserve.common.settings import CommonSettings
 from pdserve.common.types import Clock, Ticket
+from pdserve.db.durable import TransferSinkAdapter, open_durable
 from pdserve.kv_transfer.coordinator import (
     CoordinatorPolicy,
     KvTransferCoordinator,
     TransferStatsSink,
 )
-from pdserve.kv_transfer.rendezvous import Rendezvous
+from pdserve.kv_transfer.rendezvous import Rendezvous, open_rendezvous
 from pdserve.kv_transfer.servicer import SERVICE_NAME, KvTransferServicer
+from pdserve.kv_transfer.settings import CoordinatorSettings
 from pdserve.state.interfaces import StateBackend, WorkerStore
+from pdserve.state.stores import open_stores
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +31,9 @@ logger = logging.getLogger(__name__)
 class GrpcTicketNotifier:
     """Tells both workers of a ticket that ended early to drop it (DropTicket, short deadline)."""
 
-    def __init__(self, workers: WorkerStore, settings: CommonSettings, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, workers: WorkerStore, settings: CommonSettings, timeout_s: float = 2.0
+    ) -> None:
         self._workers = workers
         self._settings = settings
         self._timeout_s = timeout_s
@@ -47,7 +54,9 @@ class GrpcTicketNotifier:
                 continue
             record = await self._workers.get(worker_id)
             if record is not None and record.address:
-                calls.append(self._stub(record.address).DropTicket(request, timeout=self._timeout_s))
+                calls.append(
+                    self._stub(record.address).DropTicket(request, timeout=self._timeout_s)
+                )
         results = await asyncio.gather(*calls, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -66,8 +75,11 @@ class CoordinatorApp:
         self._reaper: asyncio.Task[None] | None = None
 
     def register(self, server: GrpcServer) -> None:
-        server.add_servicer(SERVICE_NAME, kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server,
-                            self.servicer)
+        server.add_servicer(
+            SERVICE_NAME,
+            kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server,
+            self.servicer,
+        )
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self.coordinator.run_reaper(self._stop))
@@ -76,3 +88,16 @@ class CoordinatorApp:
         self._stop.set()
         if self._reaper is not None:
             await self._reaper
+
+
+def build(settings: CoordinatorSettings) -> GrpcService:
+    """The coordinator as its own process: its stores and durable writer from ``settings``."""
+    stores = open_stores(settings.redis_url)
+    durable = open_durable(settings.database_url, settings.durable_spool_dir,
+                           settings.service_name, migrate=False)
+    policy = CoordinatorPolicy(settings.default_lease_s, settings.max_lease_s,
+                               settings.reap_interval_s)
+    app = CoordinatorApp(stores.backend, time.time, policy, open_rendezvous(stores.redis_client),
+                         settings, TransferSinkAdapter(durable) if durable else None)
+    return GrpcService(settings.service_name, settings, app,
+                       [stores.close, *([durable.close] if durable else [])])

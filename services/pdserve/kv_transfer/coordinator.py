@@ -136,7 +136,9 @@ class KvTransferCoordinator:
         if spec.prefill_worker_id:
             prefill = await self._workers.get(spec.prefill_worker_id)
             if prefill is None:
-                raise UnavailableError(f"prefill worker {spec.prefill_worker_id} is not in the pool")
+                raise UnavailableError(
+                    f"prefill worker {spec.prefill_worker_id} is not in the pool"
+                )
             if prefill.role is not WorkerRole.PREFILL:
                 raise InvalidArgumentError(
                     f"prefill_worker_id: no prefill worker {spec.prefill_worker_id!r}",
@@ -238,7 +240,10 @@ class KvTransferCoordinator:
         try:
             while True:
                 ticket = await queue.get()
-                if not worker_id or worker_id in (ticket.decode_worker_id, ticket.prefill_worker_id):
+                if not worker_id or worker_id in (
+                    ticket.decode_worker_id,
+                    ticket.prefill_worker_id,
+                ):
                     yield ticket
         finally:
             self._subscribers.discard(queue)

@@ -7,6 +7,7 @@ at once without waiting. Entries live as long as a lease at most.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -16,13 +17,16 @@ from pdserve.state.redis_backend import store_call
 
 
 class Rendezvous(Protocol):
-    async def publish(self, token: FencingToken, payload: bytes, ttl_s: float) -> None: ...
+    """Declared as methods returning awaitables (not ``async def``) so that implementations may
+    wrap coroutines (``store_call`` maps Redis failures to ``UnavailableError``)."""
 
-    async def wait(self, token: FencingToken, timeout_s: float) -> bytes | None:
+    def publish(self, token: FencingToken, payload: bytes, ttl_s: float) -> Awaitable[None]: ...
+
+    def wait(self, token: FencingToken, timeout_s: float) -> Awaitable[bytes | None]:
         """The payload, or None if nothing was published within ``timeout_s``."""
         ...
 
-    async def forget(self, token: FencingToken) -> None: ...
+    def forget(self, token: FencingToken) -> Awaitable[None]: ...
 
 
 class MemoryRendezvous:
@@ -57,6 +61,11 @@ class MemoryRendezvous:
         self._events.pop(key, None)
 
 
+def _as_bytes(value: bytes | str | None) -> bytes | None:
+    """A payload as stored: bytes (a client that decodes responses would hand back str)."""
+    return value.encode() if isinstance(value, str) else value
+
+
 class RedisRendezvous:
     """Shared by coordinator replicas: a key per ticket attempt plus a pub/sub wake-up."""
 
@@ -76,13 +85,13 @@ class RedisRendezvous:
     @store_call
     async def wait(self, token: FencingToken, timeout_s: float) -> bytes | None:
         key = self._key(token)
-        payload = await self._client.get(key)
+        payload = _as_bytes(await self._client.get(key))
         if payload is not None:
             return payload
         pubsub = self._client.pubsub()
         try:
             await pubsub.subscribe(key)
-            payload = await self._client.get(key)  # published between GET and SUBSCRIBE
+            payload = _as_bytes(await self._client.get(key))  # published between GET and SUBSCRIBE
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
             while payload is None:
@@ -93,7 +102,7 @@ class RedisRendezvous:
                     ignore_subscribe_messages=True, timeout=min(remaining, 1.0)
                 )
                 if message is not None:
-                    payload = await self._client.get(key)
+                    payload = _as_bytes(await self._client.get(key))
             return payload
         finally:
             await pubsub.aclose()
@@ -101,3 +110,8 @@ class RedisRendezvous:
     @store_call
     async def forget(self, token: FencingToken) -> None:
         await self._client.delete(self._key(token))
+
+
+def open_rendezvous(redis_client: aioredis.Redis | None) -> Rendezvous:
+    """The rendezvous beside a process's stores: in Redis when it has a client, else in memory."""
+    return RedisRendezvous(redis_client) if redis_client is not None else MemoryRendezvous()

@@ -30,7 +30,9 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
     def _now(self) -> float:
         return self._core.clock()
 
-    async def OpenTicket(self, request: kv_pb.OpenTicketRequest, context: grpc.aio.ServicerContext) -> kv_pb.OpenTicketResponse:
+    async def OpenTicket(
+        self, request: kv_pb.OpenTicketRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.OpenTicketResponse:
         ticket = await self._core.open_ticket(TicketSpec(
             deployment=request.deployment,
             decode_worker_id=request.decode_worker_id,
@@ -42,7 +44,9 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
         ))
         return kv_pb.OpenTicketResponse(ticket=ticket_to_pb(ticket, self._now()))
 
-    async def UpdateProgress(self, request: kv_pb.UpdateProgressRequest, context: grpc.aio.ServicerContext) -> kv_pb.UpdateProgressResponse:
+    async def UpdateProgress(
+        self, request: kv_pb.UpdateProgressRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.UpdateProgressResponse:
         token = token_from_pb(request.token)
         state = ticket_state_from_pb(request.state)
         assert state is not None
@@ -67,11 +71,17 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
             response.ticket.stats.CopyFrom(request.stats)
         return response
 
-    async def RenewLease(self, request: kv_pb.RenewLeaseRequest, context: grpc.aio.ServicerContext) -> kv_pb.RenewLeaseResponse:
-        ticket = await self._core.renew(token_from_pb(request.token), self._core.lease_s(request.lease_ms))
+    async def RenewLease(
+        self, request: kv_pb.RenewLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.RenewLeaseResponse:
+        ticket = await self._core.renew(
+            token_from_pb(request.token), self._core.lease_s(request.lease_ms)
+        )
         return kv_pb.RenewLeaseResponse(ticket=ticket_to_pb(ticket, self._now()))
 
-    async def PublishDestination(self, request: kv_pb.PublishDestinationRequest, context: grpc.aio.ServicerContext) -> kv_pb.PublishDestinationResponse:
+    async def PublishDestination(
+        self, request: kv_pb.PublishDestinationRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.PublishDestinationResponse:
         token = token_from_pb(request.token)
         ticket = await self._core.get(token.ticket_id)
         if ticket is None or ticket.token != token or ticket.state.is_terminal:
@@ -80,7 +90,9 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
                                        self._core.policy.max_lease_s)
         return kv_pb.PublishDestinationResponse()
 
-    async def AwaitDestination(self, request: kv_pb.AwaitDestinationRequest, context: grpc.aio.ServicerContext) -> kv_pb.AwaitDestinationResponse:
+    async def AwaitDestination(
+        self, request: kv_pb.AwaitDestinationRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.AwaitDestinationResponse:
         token = token_from_pb(request.token)
         timeout_s = min(request.timeout_ms / 1000 if request.timeout_ms else 5.0, 60.0)
         payload = await self._rendezvous.wait(token, timeout_s)
@@ -92,19 +104,27 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
             response.ticket.CopyFrom(ticket_to_pb(ticket, self._now()))
         return response
 
-    async def AbortTicket(self, request: kv_pb.AbortTicketRequest, context: grpc.aio.ServicerContext) -> kv_pb.AbortTicketResponse:
+    async def AbortTicket(
+        self, request: kv_pb.AbortTicketRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.AbortTicketResponse:
         token = token_from_pb(request.token)
-        ticket = await self._core.abort(token, request.reason or f"aborted by {request.reporter_id or 'client'}")
+        ticket = await self._core.abort(
+            token, request.reason or f"aborted by {request.reporter_id or 'client'}"
+        )
         await self._rendezvous.forget(token)
         return kv_pb.AbortTicketResponse(ticket=ticket_to_pb(ticket, self._now()))
 
-    async def ReleaseTicket(self, request: kv_pb.ReleaseTicketRequest, context: grpc.aio.ServicerContext) -> kv_pb.ReleaseTicketResponse:
+    async def ReleaseTicket(
+        self, request: kv_pb.ReleaseTicketRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.ReleaseTicketResponse:
         token = token_from_pb(request.token)
         ticket = await self._core.release(token)
         await self._rendezvous.forget(token)
         return kv_pb.ReleaseTicketResponse(ticket=ticket_to_pb(ticket, self._now()))
 
-    async def GetTicket(self, request: kv_pb.GetTicketRequest, context: grpc.aio.ServicerContext) -> kv_pb.GetTicketResponse:
+    async def GetTicket(
+        self, request: kv_pb.GetTicketRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.GetTicketResponse:
         if not request.ticket_id:
             raise InvalidArgumentError("ticket_id: required", field="ticket_id")
         ticket = await self._core.get(request.ticket_id)
@@ -112,18 +132,26 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
             raise NotFoundError(f"ticket_id: no ticket {request.ticket_id!r}", field="ticket_id")
         return kv_pb.GetTicketResponse(ticket=ticket_to_pb(ticket, self._now()))
 
-    async def ListTickets(self, request: kv_pb.ListTicketsRequest, context: grpc.aio.ServicerContext) -> kv_pb.ListTicketsResponse:
+    async def ListTickets(
+        self, request: kv_pb.ListTicketsRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.ListTicketsResponse:
         state = ticket_state_from_pb(request.state, allow_unspecified=True)
         tickets = await self._core.list_tickets(request.decode_worker_id or None, state)
         limit = request.limit or 1000
         now = self._now()
         return kv_pb.ListTicketsResponse(tickets=[ticket_to_pb(t, now) for t in tickets[:limit]])
 
-    async def WatchTickets(self, request: kv_pb.WatchTicketsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[kv_pb.WatchTicketsResponse]:
+    async def WatchTickets(
+        self, request: kv_pb.WatchTicketsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kv_pb.WatchTicketsResponse]:
         async for ticket in self._core.watch(request.worker_id):
             yield kv_pb.WatchTicketsResponse(ticket=ticket_to_pb(ticket, self._now()))
 
-    async def GetLedger(self, request: kv_pb.GetLedgerRequest, context: grpc.aio.ServicerContext) -> kv_pb.GetLedgerResponse:
-        snapshots = await self._core.ledgers(request.decode_worker_id or None, request.deployment or None)
+    async def GetLedger(
+        self, request: kv_pb.GetLedgerRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.GetLedgerResponse:
+        snapshots = await self._core.ledgers(
+            request.decode_worker_id or None, request.deployment or None
+        )
         return kv_pb.GetLedgerResponse(entries=[ledger_to_pb(s) for s in snapshots])
 

@@ -23,6 +23,11 @@ from typing import Any
 
 from pdserve.common.errors import ConfigError, InvalidArgumentError
 
+DEFAULT_MODEL = "llama-3.1-8b"
+"""The model a deployment serves unless told (settings of workers, the governor, ``pdserve up``)."""
+DEFAULT_GPU = "h100-sxm-80gb"
+"""The GPU the sim engine and the planner assume unless told."""
+
 _DATA_PACKAGE = "pdserve.perf"
 _DATA_DIR = "catalog"
 

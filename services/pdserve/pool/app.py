@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import time
 
 from pdserve.api.v1 import pool_pb2_grpc
 from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.leadership import LeaderElector, Lease
-from pdserve.common.service_settings import PoolSettings
+from pdserve.common.leadership import LeaderElector, Lease, holder_id, open_lease
+from pdserve.common.service import GrpcService
 from pdserve.common.types import Clock
+from pdserve.db.durable import LifecycleSinkAdapter, open_durable
 from pdserve.pool.manager import LifecycleSink, PoolManager, PoolPolicy
-from pdserve.pool.provisioner import Provisioner
+from pdserve.pool.provisioner import LocalProcessProvisioner, Provisioner
 from pdserve.pool.servicer import SERVICE_NAME, PoolServicer
+from pdserve.pool.settings import PoolSettings
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
+from pdserve.state.stores import open_stores
 
 
 class PoolApp:
@@ -33,7 +37,9 @@ class PoolApp:
             record_ttl_s=max(60.0, settings.heartbeat_timeout_s * 4),
             launch_args={d: worker_args for d in settings.deployments},
         )
-        self.manager = PoolManager(policy, backend, prefix_index, clock, provisioner, lifecycle_sink)
+        self.manager = PoolManager(
+            policy, backend, prefix_index, clock, provisioner, lifecycle_sink
+        )
         if settings.join_token_path is not None:
             from pdserve.common.auth import TokenFile
 
@@ -66,3 +72,18 @@ class PoolApp:
         if self._elector_task is not None:
             await self._elector_task
         await self.manager.close()
+
+
+def build(settings: PoolSettings) -> GrpcService:
+    """A pool manager as its own process. With ``is_provisioning`` it starts local worker
+    processes, and its replicas share a lease so that one actuates at a time."""
+    stores = open_stores(settings.redis_url)
+    durable = open_durable(settings.database_url, settings.durable_spool_dir,
+                           settings.service_name, migrate=False)
+    provisioner = LocalProcessProvisioner() if settings.is_provisioning else None
+    lease = (open_lease(stores.redis_client, f"pool-actuation:{settings.role}", holder_id())
+             if provisioner is not None else None)
+    app = PoolApp(settings, stores.backend, stores.prefix_index, time.time, provisioner,
+                  LifecycleSinkAdapter(durable) if durable else None, lease)
+    return GrpcService(settings.service_name, settings, app,
+                       [stores.close, *([durable.close] if durable else [])])

@@ -10,10 +10,18 @@ from __future__ import annotations
 from pdserve.common.types import WorkerState
 
 WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.REGISTERING: frozenset({WorkerState.LOADING, WorkerState.READY, WorkerState.DRAINING,
-                                        WorkerState.DRAINED, WorkerState.FAILED}),
-    WorkerState.LOADING: frozenset({WorkerState.READY, WorkerState.DRAINING, WorkerState.DRAINED,
-                                    WorkerState.FAILED}),
+    WorkerState.REGISTERING: frozenset(
+        {
+            WorkerState.LOADING,
+            WorkerState.READY,
+            WorkerState.DRAINING,
+            WorkerState.DRAINED,
+            WorkerState.FAILED,
+        }
+    ),
+    WorkerState.LOADING: frozenset(
+        {WorkerState.READY, WorkerState.DRAINING, WorkerState.DRAINED, WorkerState.FAILED}
+    ),
     WorkerState.READY: frozenset({WorkerState.DRAINING, WorkerState.FAILED}),
     WorkerState.DRAINING: frozenset({WorkerState.DRAINED, WorkerState.FAILED}),
     WorkerState.DRAINED: frozenset({WorkerState.FAILED}),

@@ -196,7 +196,10 @@ class PoolManager:
             was_readopted = True
         should_drain = False
         state = beat.state
-        if record.state is WorkerState.DRAINING and state in (WorkerState.READY, WorkerState.LOADING):
+        if record.state is WorkerState.DRAINING and state in (
+            WorkerState.READY,
+            WorkerState.LOADING,
+        ):
             state, should_drain = WorkerState.DRAINING, True
         elif not is_legal(record.state, state):
             raise InvalidArgumentError(
@@ -205,7 +208,9 @@ class PoolManager:
         if state is not record.state:
             record = await self._backend.workers.set_state(beat.worker_id, state)
             self._record(record, None, "reported")
-        record = await self._backend.workers.heartbeat(beat.worker_id, beat.load, self.policy.record_ttl_s)
+        record = await self._backend.workers.heartbeat(
+            beat.worker_id, beat.load, self.policy.record_ttl_s
+        )
         if self.policy.role is WorkerRole.DECODE and beat.held_blocks is not None:
             if beat.load.num_total_blocks > 0:
                 # Reconcile first: after a store loss it re-adopts the sequences the worker holds

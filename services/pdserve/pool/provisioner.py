@@ -50,7 +50,8 @@ class _Child:
 
 
 class LocalProcessProvisioner:
-    """Starts ``python -m pdserve serve worker ...`` children; stops them with SIGTERM then SIGKILL."""
+    """Starts ``python -m pdserve serve worker ...`` children; stops them with SIGTERM, then
+    SIGKILL."""
 
     def __init__(self, base_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  stop_timeout_s: float = 10.0) -> None:
@@ -62,9 +63,21 @@ class LocalProcessProvisioner:
         self._children: dict[str, _Child] = {}
 
     async def start(self, launch: WorkerLaunch) -> str:
-        argv = [sys.executable, "-m", "pdserve", "serve", "worker", "--deployment", launch.deployment,
-                "--role", launch.role, "--worker-id", launch.worker_id, *self.base_args,
-                *launch.args]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "serve",
+            "worker",
+            "--deployment",
+            launch.deployment,
+            "--role",
+            launch.role,
+            "--worker-id",
+            launch.worker_id,
+            *self.base_args,
+            *launch.args,
+        ]
         env = dict(os.environ if self._env is None else self._env)
         process = await asyncio.create_subprocess_exec(
             *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,

@@ -29,7 +29,9 @@ _KIND_TO_PB = {
 }
 
 
-def registration_from_pb(worker: pb.WorkerInfo, *, state: WorkerState = WorkerState.REGISTERING) -> Registration:
+def registration_from_pb(
+    worker: pb.WorkerInfo, *, state: WorkerState = WorkerState.REGISTERING
+) -> Registration:
     static = pb.WorkerInfo()
     static.CopyFrom(worker)
     static.ClearField("load")
@@ -81,7 +83,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             raise NotFoundError(f"worker_id: no worker {worker_id!r}", field="worker_id")
         return self._for_role(record.role, "worker_id")
 
-    async def Register(self, request: pool_pb2.RegisterRequest, context: grpc.aio.ServicerContext) -> pool_pb2.RegisterResponse:
+    async def Register(
+        self, request: pool_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pool_pb2.RegisterResponse:
         if not request.HasField("worker"):
             raise InvalidArgumentError("worker: required", field="worker")
         manager = self._for_role(role_from_pb(request.worker.role, field="worker.role"),
@@ -94,7 +98,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             heartbeat_ttl_ms=int(policy.heartbeat_timeout_s * 1000),
         )
 
-    async def Heartbeat(self, request: pool_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pool_pb2.HeartbeatResponse:
+    async def Heartbeat(
+        self, request: pool_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pool_pb2.HeartbeatResponse:
         if not request.worker_id:
             raise InvalidArgumentError("worker_id: required", field="worker_id")
         state = worker_state_from_pb(request.state)
@@ -129,7 +135,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             should_send_full_prefix_report=directives.should_send_full_prefix_report,
         )
 
-    async def Deregister(self, request: pool_pb2.DeregisterRequest, context: grpc.aio.ServicerContext) -> pool_pb2.DeregisterResponse:
+    async def Deregister(
+        self, request: pool_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
+    ) -> pool_pb2.DeregisterResponse:
         record = await self._workers.get(request.worker_id)
         if record is not None:
             manager = self._for_role(record.role, "worker_id")
@@ -137,12 +145,16 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             await manager.deregister(request.worker_id)
         return pool_pb2.DeregisterResponse()
 
-    async def Drain(self, request: pool_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> pool_pb2.DrainResponse:
+    async def Drain(
+        self, request: pool_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pool_pb2.DrainResponse:
         manager = await self._for_worker(request.worker_id)
         record = await manager.drain(request.worker_id, request.reason)
         return pool_pb2.DrainResponse(state=worker_state_to_pb(record.state))
 
-    async def ListWorkers(self, request: pool_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pool_pb2.ListWorkersResponse:
+    async def ListWorkers(
+        self, request: pool_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pool_pb2.ListWorkersResponse:
         role = role_from_pb(request.role, allow_unspecified=True)
         if request.deployment:
             snapshot = await self._events.snapshot(request.deployment, self._workers)
@@ -157,7 +169,9 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         return pool_pb2.ListWorkersResponse(
             workers=[record_to_pb(w) for w in workers], cursor=cursor, target_size=target)
 
-    async def WatchPool(self, request: pool_pb2.WatchPoolRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pool_pb2.WatchPoolResponse]:
+    async def WatchPool(
+        self, request: pool_pb2.WatchPoolRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pool_pb2.WatchPoolResponse]:
         if not request.deployment:
             raise InvalidArgumentError("deployment: required", field="deployment")
         cursor = request.cursor
@@ -167,17 +181,22 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         while True:
             batch = await self._events.read(request.deployment, cursor, timeout_s=5.0)
             if batch.is_gap:
-                yield pool_pb2.WatchPoolResponse(kind=pool_pb2.POOL_EVENT_KIND_GAP, cursor=batch.cursor)
+                yield pool_pb2.WatchPoolResponse(
+                    kind=pool_pb2.POOL_EVENT_KIND_GAP, cursor=batch.cursor
+                )
                 return
             for event in batch.events:
-                message = pool_pb2.WatchPoolResponse(kind=_KIND_TO_PB[event.kind], cursor=event.cursor,
-                                                     worker_id=event.worker_id)
+                message = pool_pb2.WatchPoolResponse(
+                    kind=_KIND_TO_PB[event.kind], cursor=event.cursor, worker_id=event.worker_id
+                )
                 if event.worker is not None:
                     message.worker.CopyFrom(record_to_pb(event.worker))
                 yield message
             cursor = batch.cursor
 
-    async def SetTargetSize(self, request: pool_pb2.SetTargetSizeRequest, context: grpc.aio.ServicerContext) -> pool_pb2.SetTargetSizeResponse:
+    async def SetTargetSize(
+        self, request: pool_pb2.SetTargetSizeRequest, context: grpc.aio.ServicerContext
+    ) -> pool_pb2.SetTargetSizeResponse:
         manager = self._for_role(role_from_pb(request.role))
         previous = await manager.set_target(request.deployment, request.num_workers)
         return pool_pb2.SetTargetSizeResponse(previous_num_workers=previous)

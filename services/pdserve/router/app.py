@@ -8,18 +8,22 @@ import os
 import socket
 
 from pdserve.api.v1 import router_pb2_grpc
+from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.service_settings import RouterSettings
+from pdserve.common.service import GrpcService
 from pdserve.common.tokenizer import ByteTokenizer, Tokenizer
+from pdserve.db.durable import WindowWriterAdapter, open_durable
 from pdserve.router.admission import AdmissionConfig
-from pdserve.router.clients import TicketClient, WorkerClients
+from pdserve.router.clients import GrpcTicketClient, TicketClient, WorkerClients
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.outcomes import OutcomeAggregator, WindowWriter
 from pdserve.router.policy import RoutingConfig
 from pdserve.router.pool_view import PoolFollower, PoolView
 from pdserve.router.servicer import SERVICE_NAME, RouterServicer
+from pdserve.router.settings import RouterSettings
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
+from pdserve.state.stores import open_stores
 
 logger = logging.getLogger(__name__)
 
@@ -99,3 +103,16 @@ class RouterApp:
             await self._outcome_task
         await self.follower.close()
         await self.workers.close()
+
+
+def build(settings: RouterSettings) -> GrpcService:
+    """A router replica as its own process: it follows the pools in the shared stores and opens
+    tickets at the coordinator over gRPC."""
+    stores = open_stores(settings.redis_url)
+    durable = open_durable(settings.database_url, settings.durable_spool_dir,
+                           settings.service_name, migrate=False)
+    channel = open_channel(settings.coordinator_address, settings)
+    app = RouterApp(settings, stores.backend, stores.prefix_index, GrpcTicketClient(channel),
+                    WindowWriterAdapter(durable) if durable else None)
+    return GrpcService(settings.service_name, settings, app,
+                       [stores.close, *([durable.close] if durable else []), channel.close])

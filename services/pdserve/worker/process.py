@@ -17,12 +17,12 @@ from pdserve.common.convert import role_to_pb, worker_state_to_pb
 from pdserve.common.errors import ConfigError, NotFoundError, PdserveError, UnauthenticatedError
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.service_settings import WorkerSettings
 from pdserve.common.types import WorkerRole, WorkerState
 from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.control import GrpcControlPlane, PoolClient
 from pdserve.worker.engine import Engine
 from pdserve.worker.servicer import SERVICE_NAME, WorkerAgentServicer
+from pdserve.worker.settings import WorkerSettings
 from pdserve.worker.transports.registry import TransportBackend, get_backend
 
 if TYPE_CHECKING:

@@ -1,0 +1,103 @@
+"""The settings of a worker agent (``pdserve serve worker``).
+
+Every field has an environment variable ``PDSERVE_<NAME>`` and a flag ``--name`` (the flag wins);
+``pdserve serve worker --help`` lists them with their defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.settings import (
+    ADDRESS,
+    DURATION_S,
+    PORT,
+    PORT_OR_OFF,
+    CommonSettings,
+    float_range,
+    int_range,
+    setting,
+)
+from pdserve.common.types import WorkerRole
+from pdserve.perf.catalog import DEFAULT_GPU, DEFAULT_MODEL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSettings(CommonSettings):
+    """A worker agent beside one engine instance."""
+
+    service_name: str = setting("worker", help="Service name in logs, traces and metrics.")
+    role: WorkerRole = setting(help="prefill or decode.")
+    deployment: str = setting(DEFAULT_MODEL, help="Deployment (model name clients use).")
+    worker_id: str = setting("", help="Stable worker id; empty = assigned by the pool manager.")
+    pool_address: str = setting(parser=ADDRESS, help="host:port of this role's pool manager.")
+    coordinator_address: str = setting(
+        parser=ADDRESS,
+        help="host:port of the KV-transfer coordinator.")
+    join_token: str = setting(help="Secret that admits this worker to its pool.", is_secret=True)
+    advertise_host: str = setting(
+        "127.0.0.1",
+        help="Host other processes use to reach this worker.")
+    advertise_host_from_hostname: bool = setting(
+        False,
+        help="Advertise this machine's host name instead of advertise_host (containers).")
+    engine: str = setting("sim", help="Engine backend: sim or tiny.")
+    model: str = setting(DEFAULT_MODEL, help="Model from the catalog (sim engine).")
+    gpu: str = setting(DEFAULT_GPU, help="GPU from the catalog (sim engine).")
+    tp_size: int = setting(1, parser=int_range(1, 1024), help="Tensor-parallel degree.")
+    block_size_tokens: int = setting(16, parser=int_range(1, 1024), help="Tokens per KV block.")
+    speedup: float = setting(
+        1.0, parser=float_range(1e-3, 1e12),
+        help="Sim speed-up (simulated s per wall s).")
+    cold_start_s: float = setting(
+        0.0, parser=DURATION_S,
+        help="Simulated weight loading before READY (wall time = cold_start_s / "
+             "speedup_cold_start).")
+    cold_start_speedup: float = setting(
+        1.0, parser=float_range(1e-3, 1e9),
+        help="Divides cold_start_s.")
+    kv_scale: float = setting(
+        1.0 / 64, parser=float_range(1e-6, 1.0),
+        help="Sim KV bytes per block relative to the real model's.")
+    max_num_blocks: int = setting(
+        8192, parser=int_range(0, 10_000_000),
+        help="KV blocks: cap for the sim engine, cache size of the tiny engine (0 = no cap / the "
+             "engine's default).")
+    tiny_num_layers: int = setting(
+        8, parser=int_range(1, 1000),
+        help="Tiny engine: decoder layers.")
+    tiny_hidden_size: int = setting(
+        256, parser=int_range(2, 65536),
+        help="Tiny engine: hidden size (a multiple of tiny_num_heads, head size even).")
+    tiny_num_heads: int = setting(8, parser=int_range(1, 1024), help="Tiny engine: query heads.")
+    tiny_num_kv_heads: int = setting(
+        2, parser=int_range(1, 1024),
+        help="Tiny engine: KV heads (divides tiny_num_heads; fewer = grouped-query attention).")
+    tiny_seed: int = setting(
+        0, parser=int_range(0, 2**31 - 1),
+        help="Tiny engine: weight seed (equal seeds and shapes, equal weights on every worker).")
+    num_kv_layers: int = setting(
+        0, parser=int_range(0, 1000),
+        help="KV layers the sim engine moves (0 = the model's).")
+    num_moe_layers: int = setting(
+        0, parser=int_range(0, 1000),
+        help="MoE layers whose expert routing the sim engine simulates (0 = the model's).")
+    expert_skew: float = setting(
+        0.9, parser=float_range(0.0, 10.0),
+        help="Sim engine: Zipf exponent of expert popularity (0 = uniform routing).")
+    expert_seed: int = setting(
+        0, parser=int_range(0, 2**31 - 1),
+        help="Sim engine: seed of the expert-popularity profile and routing draws.")
+    expert_report_interval_s: float = setting(
+        10.0, parser=DURATION_S,
+        help="MoE engines: how often heartbeats carry per-expert token counts.")
+    transport: str = setting("tcp", help="KV transport: tcp, nixl or inproc.")
+    kv_host: str = setting("127.0.0.1", help="Interface the KV data path listens on.")
+    kv_port: int = setting(0, parser=PORT, help="KV data path port; 0 = any.")
+    max_batch_size: int = setting(256, parser=int_range(1, 100_000), help="Decode batch limit.")
+    metrics_port: int = setting(-1, parser=PORT_OR_OFF, help="Prometheus port; -1 = off.")
+    test_clock_offset_s: float = setting(
+        0.0, parser=float_range(-1e9, 1e9),
+        help="Fault injection (tests only): shift this process's wall clock by this many seconds, "
+             "as on a host whose clock is skewed. Leases are the coordinator's clock; workers "
+             "only ever get durations.")
