@@ -1,15 +1,16 @@
 """What both hot-state backends share: their tunables, block-holding states and reasons, change-
-stream cursors, and the validation of what callers hand them. Backends import this; the factory
-imports the backends; nothing here imports either."""
+stream cursors, the order tickets are listed in, and the validation of what callers hand them.
+Backends import this; the factory imports the backends; nothing here imports either."""
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.common.errors import ConfigError, InvalidArgumentError
-from pdserve.common.types import BlockReport, FencingToken, TicketState
+from pdserve.common.types import BlockReport, FencingToken, Ticket, TicketState
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,12 @@ def parse_cursor(cursor: str) -> tuple[str, int] | None:
 
 
 MAX_EVENTS_PER_READ = 1000
+"""Most events one change-stream read returns (the reader asks again for the rest)."""
+
+
+def ordered_tickets(tickets: Iterable[Ticket]) -> list[Ticket]:
+    """Tickets oldest first (ties by id): the order every listing of both backends returns."""
+    return sorted(tickets, key=lambda t: (t.created_s, t.token.ticket_id))
 
 
 def check_ttl(ttl_s: float, name: str = "ttl_s") -> None:
