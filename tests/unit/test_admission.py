@@ -16,7 +16,7 @@ from pdserve.api.v1 import common_pb2 as pb
 from pdserve.common.clock import ManualClock
 from pdserve.common.errors import CapacityError, ConfigError, InvalidArgumentError
 from pdserve.common.service_settings import RouterSettings
-from pdserve.common.settings import parse_settings
+from pdserve.common.settings_fields import parse_settings
 from pdserve.common.types import TicketSpec, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.router.admission import (
     AdmissionConfig,

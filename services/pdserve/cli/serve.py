@@ -15,7 +15,7 @@ from pdserve.common.service_settings import (
     RouterSettings,
     WorkerSettings,
 )
-from pdserve.common.settings import add_settings_arguments, settings_from_namespace
+from pdserve.common.settings_fields import add_settings_arguments, settings_from_namespace
 
 _SETTINGS = {
     "router": RouterSettings,

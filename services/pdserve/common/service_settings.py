@@ -10,17 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.settings import (
+from pdserve.common.settings import CommonSettings
+from pdserve.common.settings_fields import setting
+from pdserve.common.settings_parsers import (
     ADDRESS,
     DURATION_S,
     PORT,
     PORT_OR_OFF,
-    CommonSettings,
     Parser,
     float_range,
     int_range,
     optional,
-    setting,
 )
 from pdserve.common.types import WorkerRole
 
