@@ -45,6 +45,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.common.errors import CapacityError, PdserveError, status_for
 from pdserve.common.grpc_handlers import wrap_handler
 from pdserve.common.settings import CommonSettings, TlsConfig
+from pdserve.common.settings_parsers import format_address
 from pdserve.common.telemetry import server_interceptors
 
 try:  # grpcio-status packs the rich status; without it only retry-after-ms is sent.
@@ -238,12 +239,6 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
     ]
 
 
-def _format_address(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
 class GrpcServer:
     """One service process's gRPC server. Register services, ``start()``, then ``wait()``.
 
@@ -373,7 +368,7 @@ class GrpcServer:
     @property
     def address(self) -> str:
         """``host:port`` actually bound, for logs and for clients in the same process."""
-        return _format_address(self._host, self.port)
+        return format_address(self._host, self.port)
 
     @property
     def service_names(self) -> tuple[str, ...]:
@@ -387,7 +382,7 @@ class GrpcServer:
         self._check_not_started()
         names = [*self._service_names, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self._server)
-        address = _format_address(self._host, self._requested_port)
+        address = format_address(self._host, self._requested_port)
         try:
             if self._tls is not None:
                 port = self._server.add_secure_port(address, self._reloading_credentials())

@@ -42,6 +42,7 @@ from pdserve.common.settings_parsers import (
     PORT_OR_OFF,
     RATIO,
     REDIS_URL,
+    format_address,
     int_range,
 )
 
@@ -182,7 +183,4 @@ class CommonSettings:
     @property
     def grpc_address(self) -> str:
         """``host:port`` to bind, IPv6 hosts bracketed."""
-        host = self.grpc_host
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"{host}:{self.grpc_port}"
+        return format_address(self.grpc_host, self.grpc_port)

@@ -193,6 +193,13 @@ def _parse_one_address(raw: str) -> str:
     return text
 
 
+def format_address(host: str, port: int) -> str:
+    """``host:port`` as gRPC dials and binds it: an IPv6 host bracketed (``[::1]:50051``)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
 ADDRESS: Parser[str] = Parser(
     "host:port with port 0-65535 (e.g. 127.0.0.1:50051 or [::1]:50051), or several "
     "separated by commas for the replicas of one service", _parse_address

@@ -93,6 +93,12 @@ def ordered_tickets(tickets: Iterable[Ticket]) -> list[Ticket]:
     return sorted(tickets, key=lambda t: (t.created_s, t.token.ticket_id))
 
 
+def check_required(value: str, name: str) -> None:
+    """``InvalidArgumentError`` naming ``name`` when ``value`` is empty."""
+    if not value:
+        raise InvalidArgumentError(f"{name}: required", field=name)
+
+
 def check_ttl(ttl_s: float, name: str = "ttl_s") -> None:
     if not (isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and ttl_s > 0):
         raise InvalidArgumentError(f"{name}: a finite number > 0, got {ttl_s!r}", field=name)
@@ -107,8 +113,7 @@ def parse_report(report: BlockReport) -> dict[str, tuple[int, int]]:
     """``ticket_id -> (attempt, num_blocks)`` from a worker's report; ``InvalidArgumentError``
     for a malformed token, a non-positive count, a ticket named twice or more blocks than the
     worker has."""
-    if not report.worker_id:
-        raise InvalidArgumentError("worker_id: required", field="worker_id")
+    check_required(report.worker_id, "worker_id")
     check_count(report.num_total_blocks, "num_total_blocks", 0)
     reported: dict[str, tuple[int, int]] = {}
     for text, num_blocks in report.blocks_by_token.items():

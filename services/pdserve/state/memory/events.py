@@ -7,10 +7,15 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.types import PoolEvent, PoolEvents, PoolSnapshot
 from pdserve.state.interfaces import WorkerStore
-from pdserve.state.shared import MAX_EVENTS_PER_READ, StateOptions, format_cursor, parse_cursor
+from pdserve.state.shared import (
+    MAX_EVENTS_PER_READ,
+    StateOptions,
+    check_required,
+    format_cursor,
+    parse_cursor,
+)
 
 
 @dataclass(slots=True)
@@ -56,8 +61,7 @@ class MemoryPoolEventStream:
         return stream
 
     async def publish(self, event: PoolEvent) -> str:
-        if not event.deployment:
-            raise InvalidArgumentError("deployment: required", field="deployment")
+        check_required(event.deployment, "deployment")
         stream = self._stream(event.deployment)
         stream.last_seq += 1
         cursor = format_cursor(stream.epoch, stream.last_seq)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.types import WorkerRole
-from pdserve.state.shared import check_count
+from pdserve.state.shared import check_count, check_required
 
 
 class MemoryTargetStore:
@@ -14,8 +13,7 @@ class MemoryTargetStore:
         self._targets: dict[tuple[str, WorkerRole], int] = {}
 
     async def set_target(self, deployment: str, role: WorkerRole, num_workers: int) -> None:
-        if not deployment:
-            raise InvalidArgumentError("deployment: required", field="deployment")
+        check_required(deployment, "deployment")
         check_count(num_workers, "num_workers", 0)
         self._targets[(deployment, WorkerRole(role))] = num_workers
 

@@ -36,6 +36,7 @@ from pdserve.state.shared import (
     BlockHolding,
     StateOptions,
     check_count,
+    check_required,
     check_ttl,
     ordered_tickets,
     parse_report,
@@ -85,8 +86,7 @@ class MemoryTicketLedger:
         self._purge_heap: list[tuple[float, str]] = []
 
     async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
-        if not worker_id:
-            raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_required(worker_id, "worker_id")
         check_count(num_total_blocks, "num_total_blocks", 0)
         async with self._lock:
             ledger = self._ledgers.setdefault(worker_id, _Ledger(num_total_blocks))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from pdserve.common.errors import InvalidArgumentError, NotFoundError
+from pdserve.common.errors import NotFoundError
 from pdserve.common.types import Clock, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
-from pdserve.state.shared import check_ttl
+from pdserve.state.shared import check_required, check_ttl
 
 
 class MemoryWorkerStore:
@@ -20,8 +20,7 @@ class MemoryWorkerStore:
         self._records: dict[str, tuple[WorkerRecord, float]] = {}
 
     async def upsert(self, worker: WorkerRecord, ttl_s: float) -> None:
-        if not worker.worker_id:
-            raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_required(worker.worker_id, "worker_id")
         check_ttl(ttl_s)
         async with self._lock:
             self._records[worker.worker_id] = (worker, self._clock() + ttl_s)

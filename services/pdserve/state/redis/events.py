@@ -9,14 +9,19 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.types import PoolEvent, PoolEventKind, PoolEvents, PoolSnapshot
 from pdserve.state.interfaces import WorkerStore
 from pdserve.state.redis.calls import LuaScripts, store_call, unwrap_reply
 from pdserve.state.redis.codec import to_ms
 from pdserve.state.redis.keys import RedisKeys
 from pdserve.state.redis.workers import worker_fields, worker_from_fields
-from pdserve.state.shared import MAX_EVENTS_PER_READ, StateOptions, format_cursor, parse_cursor
+from pdserve.state.shared import (
+    MAX_EVENTS_PER_READ,
+    StateOptions,
+    check_required,
+    format_cursor,
+    parse_cursor,
+)
 
 StreamEntries = Sequence[tuple[str, dict[str, str]]]
 """``XRANGE``/``XREAD`` entries of one stream: ``(entry id, fields)``, oldest first."""
@@ -66,8 +71,7 @@ class RedisPoolEventStream:
 
     @store_call
     async def publish(self, event: PoolEvent) -> str:
-        if not event.deployment:
-            raise InvalidArgumentError("deployment: required", field="deployment")
+        check_required(event.deployment, "deployment")
         epoch, seq = unwrap_reply(
             await self._scripts(
                 "events_publish", self._stream_keys(event.deployment),

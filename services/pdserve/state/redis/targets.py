@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.types import WorkerRole
 from pdserve.state.redis.calls import store_call
 from pdserve.state.redis.codec import text_or_none
 from pdserve.state.redis.keys import RedisKeys
-from pdserve.state.shared import check_count
+from pdserve.state.shared import check_count, check_required
 
 
 class RedisTargetStore:
@@ -21,8 +20,7 @@ class RedisTargetStore:
 
     @store_call
     async def set_target(self, deployment: str, role: WorkerRole, num_workers: int) -> None:
-        if not deployment:
-            raise InvalidArgumentError("deployment: required", field="deployment")
+        check_required(deployment, "deployment")
         check_count(num_workers, "num_workers", 0)
         await self._client.set(self._keys.target(deployment, WorkerRole(role)), num_workers)
 

@@ -43,6 +43,7 @@ from pdserve.state.shared import (
     BlockHolding,
     StateOptions,
     check_count,
+    check_required,
     check_ttl,
     ordered_tickets,
     parse_report,
@@ -124,8 +125,7 @@ class RedisTicketLedger:
 
     @store_call
     async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
-        if not worker_id:
-            raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_required(worker_id, "worker_id")
         check_count(num_total_blocks, "num_total_blocks", 0)
         reply = unwrap_reply(
             await self._scripts(

@@ -7,12 +7,12 @@ import base64
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from pdserve.common.errors import InvalidArgumentError, NotFoundError
+from pdserve.common.errors import NotFoundError
 from pdserve.common.types import Clock, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.state.redis.calls import LuaScripts, store_call, unwrap_reply
 from pdserve.state.redis.codec import pairs, redis_time, text_map, text_or_none, texts, to_ms
 from pdserve.state.redis.keys import RedisKeys
-from pdserve.state.shared import check_ttl
+from pdserve.state.shared import check_required, check_ttl
 
 
 def worker_fields(worker: WorkerRecord, expires_s: float) -> dict[FieldT, EncodableT]:
@@ -73,8 +73,7 @@ class RedisWorkerStore:
 
     @store_call
     async def upsert(self, worker: WorkerRecord, ttl_s: float) -> None:
-        if not worker.worker_id:
-            raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_required(worker.worker_id, "worker_id")
         check_ttl(ttl_s)
         key = self._keys.worker(worker.worker_id)
         old_deployment, old_role = (
