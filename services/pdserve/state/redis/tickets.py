@@ -254,10 +254,7 @@ class RedisTicketLedger:
     @store_call
     async def reap_expired(self, worker_id: str | None = None) -> list[Ticket]:
         now = self._clock()
-        if worker_id is None:
-            worker_ids = sorted(texts(await self._client.smembers(self._keys.ledger_workers())))
-        else:
-            worker_ids = [worker_id]
+        worker_ids = await self._one_or_all(worker_id, self._keys.ledger_workers())
         expired: list[Ticket] = []
         for one_worker_id in worker_ids:
             lapsed_ids = texts(await self._client.zrangebyscore(
@@ -292,10 +289,7 @@ class RedisTicketLedger:
         self, worker_id: str | None = None, state: TicketState | None = None
     ) -> list[Ticket]:
         now = self._clock()
-        if worker_id is None:
-            worker_ids = sorted(texts(await self._client.smembers(self._keys.ticket_workers())))
-        else:
-            worker_ids = [worker_id]
+        worker_ids = await self._one_or_all(worker_id, self._keys.ticket_workers())
         tickets: list[Ticket] = []
         for one_worker_id in worker_ids:
             index_key = self._keys.ticket_index(one_worker_id)
@@ -364,6 +358,12 @@ class RedisTicketLedger:
             await self._scripts(name, keys, [token.ticket_id, token.attempt, *args])
         )
         return _ticket_from_fields(pairs(reply))
+
+    async def _one_or_all(self, worker_id: str | None, set_key: str) -> list[str]:
+        """``[worker_id]``, or for None every worker of the set at ``set_key``, sorted."""
+        if worker_id is not None:
+            return [worker_id]
+        return sorted(texts(await self._client.smembers(set_key)))
 
     async def _live_ticket_ids(self, worker_id: str) -> list[str]:
         return texts(
