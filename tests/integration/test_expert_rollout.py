@@ -42,7 +42,7 @@ from pdserve.router.settings import RouterSettings
 from pdserve.state.expert_loads import ExpertLoadReport, expert_load_store_for
 from pdserve.state.factory import StateOptions
 from pdserve.state.prefix_index import MemoryPrefixIndex
-from pdserve.state.redis_backend import RedisStateBackend
+from pdserve.state.redis.backend import RedisStateBackend
 from pdserve.worker.engines.sim import expert_popularity
 from pdserve.worker.process import WorkerProcess
 from pdserve.worker.settings import WorkerSettings

@@ -40,7 +40,8 @@ from pdserve.common.types import (
 )
 from pdserve.state.factory import StateOptions, open_backend
 from pdserve.state.interfaces import StateBackend
-from pdserve.state.redis_backend import RedisKeys, RedisStateBackend
+from pdserve.state.redis.backend import RedisStateBackend
+from pdserve.state.redis.keys import RedisKeys
 
 RETENTION_S = 60.0
 GRACE_S = 30.0
@@ -681,7 +682,7 @@ def test_keys_one_script_touches_share_a_cluster_slot() -> None:
 
 def test_open_backend_picks_by_scheme() -> None:
     from pdserve.common.errors import ConfigError
-    from pdserve.state.memory_backend import MemoryStateBackend
+    from pdserve.state.memory.backend import MemoryStateBackend
 
     clock = StepClock()
     assert isinstance(open_backend(None, clock), MemoryStateBackend)

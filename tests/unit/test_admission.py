@@ -15,7 +15,7 @@ import pytest
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.common.clock import ManualClock
 from pdserve.common.errors import CapacityError, ConfigError, InvalidArgumentError
-from pdserve.common.settings import parse_settings
+from pdserve.common.settings_fields import parse_settings
 from pdserve.common.types import TicketSpec, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.router.admission import (
     AdmissionConfig,

@@ -17,7 +17,7 @@ from pdserve.common.types import (
 from pdserve.kv_transfer.coordinator import KvTransferCoordinator
 from pdserve.pool.manager import Heartbeat, PoolManager, PoolPolicy, Registration
 from pdserve.state.factory import StateOptions
-from pdserve.state.memory_backend import MemoryStateBackend
+from pdserve.state.memory.backend import MemoryStateBackend
 from pdserve.state.prefix_index import MemoryPrefixIndex
 
 

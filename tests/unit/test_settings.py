@@ -10,22 +10,16 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.settings import (
-    ADDRESS,
-    DURATION_S,
-    CommonSettings,
-    LogFormat,
-    LogLevel,
-    TlsConfig,
+from pdserve.common.settings import CommonSettings, LogFormat, LogLevel, TlsConfig
+from pdserve.common.settings_fields import (
     add_settings_arguments,
-    int_range,
-    list_of,
     parse_settings,
     redacted,
     setting,
     settings_fields,
     settings_from_namespace,
 )
+from pdserve.common.settings_parsers import ADDRESS, DURATION_S, int_range, list_of
 
 
 class Color(enum.StrEnum):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from pdserve.common.runtime import setup_process, stop_on_signals
 from pdserve.common.service import Service
-from pdserve.common.settings import CommonSettings, add_settings_arguments, settings_from_namespace
+from pdserve.common.settings import CommonSettings
+from pdserve.common.settings_fields import add_settings_arguments, settings_from_namespace
 from pdserve.governor.settings import GovernorSettings
 from pdserve.kv_transfer.settings import CoordinatorSettings
 from pdserve.pool.settings import PoolSettings

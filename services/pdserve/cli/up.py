@@ -13,18 +13,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.common.settings import (
+from pdserve.common.settings import CommonSettings, LogFormat
+from pdserve.common.settings_fields import add_settings_arguments, setting, settings_from_namespace
+from pdserve.common.settings_parsers import (
     DATABASE_URL,
     DURATION_S,
     PORT,
     PORT_OR_OFF,
-    CommonSettings,
-    LogFormat,
-    add_settings_arguments,
     float_range,
     int_range,
-    setting,
-    settings_from_namespace,
 )
 from pdserve.perf.catalog import DEFAULT_GPU, DEFAULT_MODEL
 from pdserve.router.settings import TENANT_FLOATS, TENANT_INTS

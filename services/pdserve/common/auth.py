@@ -76,6 +76,7 @@ import grpc
 
 from pdserve.common.certs import PeerKind, parse_spiffe_id
 from pdserve.common.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
+from pdserve.common.grpc_handlers import wrap_handler
 from pdserve.common.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ class KeyFile(Mapping[str, str]):
         self.refresh()
         return len(self._keys)
 
-    def items(self):  # type: ignore[override]
+    def items(self):
         self.refresh()
         return list(self._keys.items())
 
@@ -417,14 +418,6 @@ def _peer_spiffe_id(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-_HANDLER_FACTORIES = {
-    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-}
-
-
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates and authorizes every call (``METHOD_ROLES``) before its handler runs, and
     makes the caller available to the handler through ``current_principal``."""
@@ -481,13 +474,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or is_public(method):
             return handler
-        attr, factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
-        behavior = getattr(handler, attr)
-        if behavior is None:
-            return handler
-        return factory(self._wrap(behavior, method),
-                       request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
+        return wrap_handler(handler, lambda behavior: self._wrap(behavior, method))
 
 
 def load_key_file(path: Path | None) -> KeyFile | None:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 
@@ -107,7 +108,9 @@ class IssuedCert:
         return TlsConfig(cert_path=self.cert_path, key_path=self.key_path, ca_path=ca_path)
 
 
-def _crypto():  # type: ignore[no-untyped-def]
+def _crypto() -> tuple[Any, ...]:
+    """``x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID`` of ``cryptography``,
+    imported on first use so that servers that only read certificates never load it."""
     try:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
@@ -137,7 +140,8 @@ def _write_public(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _san_entries(hosts: Iterable[str], uri: str):  # type: ignore[no-untyped-def]
+def _san_entries(hosts: Iterable[str], uri: str) -> list[object]:
+    """Subject alternative names: each distinct host as an IP address or DNS name, then ``uri``."""
     x509 = _crypto()[0]
     entries: list[object] = []
     seen: set[str] = set()
@@ -342,5 +346,8 @@ class ReloadingServerCredentials:
             return configuration
 
     def credentials(self) -> grpc.ServerCredentials:
+        # gRPC takes None from the fetch callback as "keep the current pair"; its stubs say the
+        # callback always returns a configuration.
+        fetch = cast(Callable[[], grpc.ServerCertificateConfiguration], self.fetch)
         return grpc.dynamic_ssl_server_credentials(
-            self._initial, self.fetch, require_client_authentication=self.is_mutual)
+            self._initial, fetch, require_client_authentication=self.is_mutual)

@@ -1,8 +1,8 @@
 """One error hierarchy for pdserve, mapped to gRPC status codes in exactly one place.
 
 Services raise these; the gRPC server bootstrap turns them into statuses (see
-``pdserve.common.grpc_server``), and clients turn statuses back into them. Anything that is not a
-``PdserveError`` becomes ``INTERNAL`` with a generic message, and its traceback is logged.
+``pdserve.common.grpc_server``), and clients turn statuses back into them. Anything that is not
+a ``PdserveError`` becomes ``INTERNAL`` with a generic message, and its traceback is logged.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ class CapacityError(PdserveError):
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after_s: float = 1.0, field: str | None = None
+    ) -> None:
         super().__init__(message, field=field)
         self.retry_after_s = retry_after_s
 

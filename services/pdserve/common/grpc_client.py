@@ -154,9 +154,11 @@ def open_channel(
 # ------------------------------------------------------------------------------ status -> error
 
 
-def _rich_details(trailing: Iterable[tuple[str, Any]]) -> tuple[float | None, str | None]:
-    """``(retry_after_s, field)`` from trailing metadata: the rich status first, then the plain
-    ``retry-after-ms`` entry. Malformed entries are ignored (a peer's bug is not our failure)."""
+def _rich_details(trailing: Iterable[Any]) -> tuple[float | None, str | None]:
+    """``(retry_after_s, field)`` from trailing metadata, ``(key, value)`` pairs (grpc's stubs
+    type a sync error's entries as objects without saying they are pairs): the rich status
+    first, then the plain ``retry-after-ms`` entry. Malformed entries are ignored (a peer's bug
+    is not our failure)."""
     retry_after_s: float | None = None
     field: str | None = None
     plain_retry_after_s: float | None = None

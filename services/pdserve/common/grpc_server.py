@@ -35,7 +35,7 @@ import inspect
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health as grpc_health
@@ -43,7 +43,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.common.errors import CapacityError, PdserveError, status_for
+from pdserve.common.grpc_handlers import wrap_handler
 from pdserve.common.settings import CommonSettings, TlsConfig
+from pdserve.common.settings_parsers import format_address
 from pdserve.common.telemetry import server_interceptors
 
 try:  # grpcio-status packs the rich status; without it only retry-after-ms is sent.
@@ -194,15 +196,7 @@ def _wrap_behavior(behavior: Callable[..., Any], method: str) -> Callable[..., A
 def map_errors(method: F) -> F:
     """Decorator for aio servicer methods (``async def`` or async generators): errors become
     statuses as described in the module docstring. The context must be the last argument."""
-    return _wrap_behavior(method, method.__qualname__)  # type: ignore[return-value]
-
-
-_HANDLER_FACTORIES = {
-    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-}
+    return cast(F, _wrap_behavior(method, method.__qualname__))
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -216,14 +210,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        attr, factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
-        behavior = getattr(handler, attr)
-        if behavior is None:
-            return handler
-        return factory(
-            _wrap_behavior(behavior, handler_call_details.method),
-            request_deserializer=_tolerant_deserializer(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
+        method = handler_call_details.method
+        return wrap_handler(
+            handler, lambda behavior: _wrap_behavior(behavior, method), _tolerant_deserializer
         )
 
 
@@ -248,23 +237,6 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.so_reuseport", 0),
     ]
-
-
-def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    """TLS credentials from PEM files; ``tls.ca_path`` set = mutual TLS (client certs required)."""
-    if tls.cert_path is None or tls.key_path is None:
-        raise ValueError("a TLS server needs both cert_path and key_path")
-    key_pair = (tls.key_path.read_bytes(), tls.cert_path.read_bytes())
-    client_ca = tls.ca_path.read_bytes() if tls.ca_path is not None else None
-    return grpc.ssl_server_credentials(
-        [key_pair], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
-
-
-def _format_address(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
 
 
 class GrpcServer:
@@ -396,7 +368,7 @@ class GrpcServer:
     @property
     def address(self) -> str:
         """``host:port`` actually bound, for logs and for clients in the same process."""
-        return _format_address(self._host, self.port)
+        return format_address(self._host, self.port)
 
     @property
     def service_names(self) -> tuple[str, ...]:
@@ -410,7 +382,7 @@ class GrpcServer:
         self._check_not_started()
         names = [*self._service_names, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self._server)
-        address = _format_address(self._host, self._requested_port)
+        address = format_address(self._host, self._requested_port)
         try:
             if self._tls is not None:
                 port = self._server.add_secure_port(address, self._reloading_credentials())

@@ -121,7 +121,8 @@ class MemoryLease:
     """In-process lease (``memory://`` stores): shared by the ``MemoryLease`` objects that are
     given the same ``table`` dict."""
 
-    def __init__(self, name: str, holder: str, table: dict[str, tuple[str, int, float]] | None = None,
+    def __init__(self, name: str, holder: str,
+                 table: dict[str, tuple[str, int, float]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.holder = holder

@@ -88,14 +88,15 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         ids = current_trace_ids()
-        record.trace = f" [{ids[0]}]" if ids else ""
+        # A record attribute for ``%(trace)s``, set the way logging sets ``extra`` fields.
+        record.__dict__["trace"] = f" [{ids[0]}]" if ids else ""
         try:
             return super().format(record)
         finally:
-            del record.trace
+            del record.__dict__["trace"]
 
 
-class _PdserveHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _PdserveHandler(logging.StreamHandler[TextIO]):
     """Marks the handler ``configure_logging`` installed, so a second call replaces only it."""
 
 

@@ -95,7 +95,7 @@ def _get_or_create(
                     f"metric {name} exists as {type(metric).__name__}{list(existing_labels)}, "
                     f"not {kind.__name__}{list(labels)}"
                 )
-            return metric  # type: ignore[no-any-return]
+            return metric
         metric = kind(name, documentation, labelnames=labels, registry=registry, **kwargs)
         by_name[name] = (metric, labels)
         return metric

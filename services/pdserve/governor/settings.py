@@ -8,15 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.settings import (
-    ADDRESS,
-    DURATION_S,
-    CommonSettings,
-    float_range,
-    int_range,
-    optional,
-    setting,
-)
+from pdserve.common.settings import CommonSettings
+from pdserve.common.settings_fields import setting
+from pdserve.common.settings_parsers import ADDRESS, DURATION_S, float_range, int_range, optional
 from pdserve.perf.catalog import DEFAULT_GPU
 
 

@@ -13,7 +13,7 @@ from typing import Protocol
 import redis.asyncio as aioredis
 
 from pdserve.common.types import FencingToken
-from pdserve.state.redis_backend import store_call
+from pdserve.state.redis.calls import store_call
 
 
 class Rendezvous(Protocol):

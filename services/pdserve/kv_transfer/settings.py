@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.settings import (
-    DURATION_S,
-    CommonSettings,
-    setting,
-)
+from pdserve.common.settings import CommonSettings
+from pdserve.common.settings_fields import setting
+from pdserve.common.settings_parsers import DURATION_S
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

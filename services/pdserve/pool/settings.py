@@ -10,12 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.errors import ConfigError
-from pdserve.common.settings import (
-    DURATION_S,
-    CommonSettings,
-    int_range,
-    setting,
-)
+from pdserve.common.settings import CommonSettings
+from pdserve.common.settings_fields import setting
+from pdserve.common.settings_parsers import DURATION_S, int_range
 from pdserve.common.types import WorkerRole
 
 

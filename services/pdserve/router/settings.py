@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.settings import (
+from pdserve.common.settings import CommonSettings
+from pdserve.common.settings_fields import setting
+from pdserve.common.settings_parsers import (
     ADDRESS,
     DURATION_S,
     PORT_OR_OFF,
-    CommonSettings,
     Parser,
     float_range,
     int_range,
-    setting,
 )
 
 

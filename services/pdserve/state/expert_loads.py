@@ -19,15 +19,16 @@ import collections
 import json
 import weakref
 import zlib
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
+import redis.asyncio as aioredis
 
-from pdserve.common.errors import InvalidArgumentError, UnavailableError
+from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.types import WorkerRole
 from pdserve.state.interfaces import StateBackend
+from pdserve.state.redis.calls import store_call
 
 DEFAULT_MAX_REPORTS = 1024
 """Reports kept per pool before the oldest are dropped (about 4 minutes of 40 workers reporting
@@ -135,22 +136,10 @@ class MemoryExpertLoadStore:
         return sorted(self._queues)
 
 
-T = TypeVar("T")
-
-
-async def _redis_call(call: Callable[[], Awaitable[T]]) -> T:
-    import redis.exceptions as redis_errors
-
-    try:
-        return await call()
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError) as exc:
-        raise UnavailableError(f"expert-load store unreachable: {exc}") from None
-
-
 class RedisExpertLoadStore:
     """Queues in Redis (shared by every pool-manager and governor replica)."""
 
-    def __init__(self, client: Any, prefix: str = "pdserve",
+    def __init__(self, client: aioredis.Redis, prefix: str = "pdserve",
                  max_reports: int = DEFAULT_MAX_REPORTS, ttl_s: float = DEFAULT_TTL_S) -> None:
         self._client = client
         self._prefix = prefix
@@ -163,39 +152,30 @@ class RedisExpertLoadStore:
     def _pools_key(self) -> str:
         return f"{self._prefix}:experts:pools"
 
+    @store_call
     async def append(self, deployment: str, role: WorkerRole, report: ExpertLoadReport) -> None:
         key = self._queue_key(deployment, role)
         member = json.dumps([deployment, WorkerRole(role).value])
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, encode_report(report))
+            pipe.ltrim(key, -self._max_reports, -1)
+            pipe.pexpire(key, self._ttl_ms)
+            await pipe.execute()
+        await self._client.sadd(self._pools_key(), member)
 
-        async def call() -> None:
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.rpush(key, encode_report(report))
-                pipe.ltrim(key, -self._max_reports, -1)
-                pipe.pexpire(key, self._ttl_ms)
-                await pipe.execute()
-            await self._client.sadd(self._pools_key(), member)
-
-        await _redis_call(call)
-
+    @store_call
     async def drain(self, deployment: str, role: WorkerRole) -> list[ExpertLoadReport]:
         key = self._queue_key(deployment, role)
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.lrange(key, 0, -1)
+            pipe.delete(key)
+            items, _ = await pipe.execute()
+        return [decode_report(item) for item in items]
 
-        async def call() -> list[Any]:
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.lrange(key, 0, -1)
-                pipe.delete(key)
-                replies = await pipe.execute()
-            return list(replies[0])
-
-        return [decode_report(item) for item in await _redis_call(call)]
-
+    @store_call
     async def pools(self) -> list[tuple[str, WorkerRole]]:
-        async def call() -> set[Any]:
-            return set(await self._client.smembers(self._pools_key()))
-
-        members = await _redis_call(call)
         pools = []
-        for member in members:
+        for member in await self._client.smembers(self._pools_key()):
             deployment, role = json.loads(member)
             pools.append((deployment, WorkerRole(role)))
         return sorted(pools)
@@ -209,7 +189,7 @@ def expert_load_store_for(backend: StateBackend) -> ExpertLoadStore:
     the Redis backend, one shared in-process store per in-process backend. Services that share a
     backend (the pool managers and the governor of ``pdserve up``) thereby share the queues
     without extra wiring."""
-    from pdserve.state.redis_backend import RedisStateBackend
+    from pdserve.state.redis.backend import RedisStateBackend
 
     if isinstance(backend, RedisStateBackend):
         return RedisExpertLoadStore(backend.client, backend.keys.prefix)

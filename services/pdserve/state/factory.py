@@ -27,11 +27,11 @@ def open_backend(
     options = options or StateOptions()
     scheme = (url or f"{MEMORY_SCHEME}://").partition("://")[0].lower()
     if scheme == MEMORY_SCHEME:
-        from pdserve.state.memory_backend import MemoryStateBackend
+        from pdserve.state.memory.backend import MemoryStateBackend
 
         return MemoryStateBackend(clock, options)
     if scheme in REDIS_SCHEMES:
-        from pdserve.state.redis_backend import RedisStateBackend
+        from pdserve.state.redis.backend import RedisStateBackend
 
         assert url is not None
         return RedisStateBackend.from_url(url, clock, options)

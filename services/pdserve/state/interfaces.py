@@ -58,10 +58,17 @@ class WorkerStore(Protocol):
 class TicketLedger(Protocol):
     """Tickets and the per-decode-worker block ledger they reserve from.
 
-    Opening a ticket creates it and reserves its blocks in one atomic step. Blocks move
-    reserved -> held (``mark_held``, after DONE the sequence owns them) -> free (``release``).
-    A lease covers reserved blocks only; ``reap_expired`` moves tickets whose lease lapsed to
-    EXPIRED and frees their blocks.
+    Opening a ticket creates it and reserves its blocks in one atomic step. A ticket's blocks
+    are *reserved* from ``open`` until ``mark_held`` (DONE only; the running sequence now owns
+    them) or until they are freed by ``release``, an ABORTED/EXPIRED transition, the reaper,
+    ``drop_worker`` or ``reconcile``. Reserved blocks always have a lease; a lapsed lease
+    (deadline < now) no longer entitles its token to ``extend``, ``mark_held`` or a non-freeing
+    ``transition`` (``StaleTokenError``), and the reaper frees it: a non-terminal ticket becomes
+    EXPIRED, a DONE ticket never marked held keeps DONE with reason "lease expired before
+    mark_held". Held blocks are freed only by ``release`` (or ``drop_worker``/``reconcile``).
+    ``release`` of a non-terminal ticket aborts it. Blocks are freed at most once: once free,
+    ``release``/``extend``/``mark_held`` are ``StaleTokenError``. A ticket whose blocks are free
+    stays readable for ``StateOptions.ticket_retention_s``.
     """
 
     async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
@@ -140,10 +147,17 @@ class TargetStore(Protocol):
 class StateBackend(Protocol):
     """One backend: the stores it provides and its lifecycle."""
 
-    workers: WorkerStore
-    tickets: TicketLedger
-    events: PoolEventStream
-    targets: TargetStore
+    @property
+    def workers(self) -> WorkerStore: ...
+
+    @property
+    def tickets(self) -> TicketLedger: ...
+
+    @property
+    def events(self) -> PoolEventStream: ...
+
+    @property
+    def targets(self) -> TargetStore: ...
 
     async def ping(self) -> bool: ...
 

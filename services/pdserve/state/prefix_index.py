@@ -12,7 +12,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from pdserve.state.redis_backend import store_call
+from pdserve.state.redis.calls import store_call
 
 
 class PrefixIndex(Protocol):
@@ -69,7 +69,9 @@ class MemoryPrefixIndex:
 class RedisPrefixIndex:
     """One set per worker; an overlap query is one pipelined SMISMEMBER per candidate."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "pdserve", ttl_s: float = 600.0) -> None:
+    def __init__(
+        self, client: aioredis.Redis, prefix: str = "pdserve", ttl_s: float = 600.0
+    ) -> None:
         self._client = client
         self._prefix = prefix
         self._ttl_ms = int(ttl_s * 1000)
@@ -83,15 +85,15 @@ class RedisPrefixIndex:
         is_full: bool = False,
     ) -> None:
         key = self._key(deployment, worker_id)
-        added = [str(h) for h in added]
-        removed = [str(h) for h in removed]
+        added_members = [str(h) for h in added]
+        removed_members = [str(h) for h in removed]
         async with self._client.pipeline(transaction=True) as pipe:
             if is_full:
                 pipe.delete(key)
-            if added:
-                pipe.sadd(key, *added)
-            if removed:
-                pipe.srem(key, *removed)
+            if added_members:
+                pipe.sadd(key, *added_members)
+            if removed_members:
+                pipe.srem(key, *removed_members)
             pipe.pexpire(key, self._ttl_ms)
             await pipe.execute()
 

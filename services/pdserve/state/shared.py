@@ -1,15 +1,16 @@
 """What both hot-state backends share: their tunables, block-holding states and reasons, change-
-stream cursors, and the validation of what callers hand them. Backends import this; the factory
-imports the backends; nothing here imports either."""
+stream cursors, the order tickets are listed in, and the validation of what callers hand them.
+Backends import this; the factory imports the backends; nothing here imports either."""
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.common.errors import ConfigError, InvalidArgumentError
-from pdserve.common.types import BlockReport, FencingToken, TicketState
+from pdserve.common.types import BlockReport, FencingToken, Ticket, TicketState
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,18 @@ def parse_cursor(cursor: str) -> tuple[str, int] | None:
 
 
 MAX_EVENTS_PER_READ = 1000
+"""Most events one change-stream read returns (the reader asks again for the rest)."""
+
+
+def ordered_tickets(tickets: Iterable[Ticket]) -> list[Ticket]:
+    """Tickets oldest first (ties by id): the order every listing of both backends returns."""
+    return sorted(tickets, key=lambda t: (t.created_s, t.token.ticket_id))
+
+
+def check_required(value: str, name: str) -> None:
+    """``InvalidArgumentError`` naming ``name`` when ``value`` is empty."""
+    if not value:
+        raise InvalidArgumentError(f"{name}: required", field=name)
 
 
 def check_ttl(ttl_s: float, name: str = "ttl_s") -> None:
@@ -100,8 +113,7 @@ def parse_report(report: BlockReport) -> dict[str, tuple[int, int]]:
     """``ticket_id -> (attempt, num_blocks)`` from a worker's report; ``InvalidArgumentError``
     for a malformed token, a non-positive count, a ticket named twice or more blocks than the
     worker has."""
-    if not report.worker_id:
-        raise InvalidArgumentError("worker_id: required", field="worker_id")
+    check_required(report.worker_id, "worker_id")
     check_count(report.num_total_blocks, "num_total_blocks", 0)
     reported: dict[str, tuple[int, int]] = {}
     for text, num_blocks in report.blocks_by_token.items():

@@ -60,7 +60,7 @@ def open_stores(url: str, clock: Clock = time.time) -> Stores:
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    from pdserve.state.redis_backend import RedisStateBackend
+    from pdserve.state.redis.backend import RedisStateBackend
 
     # The client options of ``RedisStateBackend.from_url`` (RESP2, decoded strings, no automatic
     # retries), with the blocking pool; from_url takes no pool options.

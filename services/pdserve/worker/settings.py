@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.settings import (
+from pdserve.common.settings import CommonSettings
+from pdserve.common.settings_fields import setting
+from pdserve.common.settings_parsers import (
     ADDRESS,
     DURATION_S,
     PORT,
     PORT_OR_OFF,
-    CommonSettings,
     float_range,
     int_range,
-    setting,
 )
 from pdserve.common.types import WorkerRole
 from pdserve.perf.catalog import DEFAULT_GPU, DEFAULT_MODEL

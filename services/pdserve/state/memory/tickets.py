@@ -1,29 +1,11 @@
-"""Embedded hot state: everything in one process, for ``pdserve up`` on one machine and for tests.
-
-Same semantics, errors and clock as the Redis backend (both pass
-``tests/integration/test_state_contract.py``); the one difference is that state lives as long as
-the process. Every method runs its read-check-write without awaiting in between, under one
-``asyncio.Lock``, so each call is atomic with respect to the others, as a Lua script is in Redis.
-
-Block accounting (both backends): a ticket's blocks are *reserved* from ``open`` until
-``mark_held`` (DONE only; the running sequence now owns them) or until they are freed by
-``release``, an ABORTED/EXPIRED transition, the reaper, ``drop_worker`` or ``reconcile``.
-Reserved blocks always have a lease; a lapsed lease (deadline < now) no longer entitles its token
-to ``extend``, ``mark_held`` or a non-freeing ``transition`` (``StaleTokenError``), and the reaper
-frees it: a non-terminal ticket becomes EXPIRED, a DONE ticket never marked held keeps DONE with
-reason "lease expired before mark_held". Held blocks are freed only by ``release`` (or
-``drop_worker``/``reconcile``). ``release`` of a non-terminal ticket aborts it. Blocks are freed
-at most once: once free, ``release``/``extend``/``mark_held`` are ``StaleTokenError``.
-A ticket whose blocks are free stays readable for ``StateOptions.ticket_retention_s``.
-"""
+"""``TicketLedger`` in process memory: the block rules of the ``TicketLedger`` contract
+(``pdserve.state.interfaces``) as plain dictionaries, each call atomic under the backend's lock."""
 
 from __future__ import annotations
 
 import asyncio
 import heapq
-import uuid
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pdserve.common.errors import (
     CapacityError,
@@ -38,22 +20,13 @@ from pdserve.common.types import (
     Clock,
     FencingToken,
     LedgerSnapshot,
-    PoolEvent,
-    PoolEvents,
-    PoolSnapshot,
     ReconcileResult,
     Ticket,
     TicketSpec,
     TicketState,
-    WorkerLoad,
-    WorkerRecord,
-    WorkerRole,
-    WorkerState,
 )
-from pdserve.state.interfaces import WorkerStore
 from pdserve.state.shared import (
     FREEING_STATES,
-    MAX_EVENTS_PER_READ,
     REASON_ADOPTED,
     REASON_LEASE_EXPIRED,
     REASON_LEASE_EXPIRED_DONE,
@@ -63,9 +36,9 @@ from pdserve.state.shared import (
     BlockHolding,
     StateOptions,
     check_count,
+    check_required,
     check_ttl,
-    format_cursor,
-    parse_cursor,
+    ordered_tickets,
     parse_report,
 )
 
@@ -100,7 +73,7 @@ class _Entry:
 
 
 class MemoryTicketLedger:
-    """``TicketLedger`` in process memory (see the module docstring for the block rules)."""
+    """``TicketLedger`` in process memory (block rules: ``TicketLedger``)."""
 
     def __init__(self, clock: Clock, options: StateOptions, lock: asyncio.Lock) -> None:
         self._clock = clock
@@ -113,8 +86,7 @@ class MemoryTicketLedger:
         self._purge_heap: list[tuple[float, str]] = []
 
     async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
-        if not worker_id:
-            raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_required(worker_id, "worker_id")
         check_count(num_total_blocks, "num_total_blocks", 0)
         async with self._lock:
             ledger = self._ledgers.setdefault(worker_id, _Ledger(num_total_blocks))
@@ -137,7 +109,7 @@ class MemoryTicketLedger:
                     )
             self._ledgers.pop(worker_id, None)
             self._leases_by_worker.pop(worker_id, None)
-            return _ordered(aborted)
+            return ordered_tickets(aborted)
 
     async def open(self, spec: TicketSpec) -> Ticket:
         check_count(spec.num_prompt_tokens, "num_prompt_tokens", 0)
@@ -280,7 +252,7 @@ class MemoryTicketLedger:
                                 entry, now, state=TicketState.EXPIRED, reason=REASON_LEASE_EXPIRED
                             )
                         )
-            return _ordered(expired)
+            return ordered_tickets(expired)
 
     async def snapshot(self, worker_id: str) -> LedgerSnapshot:
         async with self._lock:
@@ -299,7 +271,7 @@ class MemoryTicketLedger:
             else:
                 ids = self._ticket_ids_by_worker.get(worker_id, set())
                 entries = [self._entries[ticket_id] for ticket_id in ids]
-            return _ordered(
+            return ordered_tickets(
                 [e.ticket for e in entries if state is None or e.ticket.state is state]
             )
 
@@ -423,184 +395,3 @@ class MemoryTicketLedger:
         self._ticket_ids_by_worker.setdefault(worker_id, set()).add(token.ticket_id)
         self._ledgers[worker_id].num_held_blocks += num_blocks
         return str(token)
-
-
-def _ordered(tickets: list[Ticket]) -> list[Ticket]:
-    return sorted(tickets, key=lambda t: (t.created_s, t.token.ticket_id))
-
-
-class MemoryWorkerStore:
-    """``WorkerStore`` in process memory; a record expires ``ttl_s`` after its last upsert or
-    heartbeat, on the injected clock."""
-
-    def __init__(self, clock: Clock, lock: asyncio.Lock) -> None:
-        self._clock = clock
-        self._lock = lock
-        self._records: dict[str, tuple[WorkerRecord, float]] = {}
-
-    async def upsert(self, worker: WorkerRecord, ttl_s: float) -> None:
-        if not worker.worker_id:
-            raise InvalidArgumentError("worker_id: required", field="worker_id")
-        check_ttl(ttl_s)
-        async with self._lock:
-            self._records[worker.worker_id] = (worker, self._clock() + ttl_s)
-
-    async def heartbeat(self, worker_id: str, load: WorkerLoad, ttl_s: float) -> WorkerRecord:
-        check_ttl(ttl_s)
-        async with self._lock:
-            now = self._clock()
-            record = self._require(worker_id, now)
-            record = replace(record, load=load, last_heartbeat_s=now)
-            self._records[worker_id] = (record, now + ttl_s)
-            return record
-
-    async def set_state(self, worker_id: str, state: WorkerState) -> WorkerRecord:
-        state = WorkerState(state)
-        async with self._lock:
-            now = self._clock()
-            record = replace(self._require(worker_id, now), state=state)
-            self._records[worker_id] = (record, self._records[worker_id][1])
-            return record
-
-    async def get(self, worker_id: str) -> WorkerRecord | None:
-        async with self._lock:
-            return self._live(worker_id, self._clock())
-
-    async def list(
-        self, deployment: str | None = None, role: WorkerRole | None = None
-    ) -> list[WorkerRecord]:
-        async with self._lock:
-            now = self._clock()
-            records = [self._live(worker_id, now) for worker_id in sorted(self._records)]
-            return [
-                r
-                for r in records
-                if r is not None
-                and (deployment is None or r.deployment == deployment)
-                and (role is None or r.role == role)
-            ]
-
-    async def remove(self, worker_id: str) -> None:
-        async with self._lock:
-            self._records.pop(worker_id, None)
-
-    def _live(self, worker_id: str, now: float) -> WorkerRecord | None:
-        item = self._records.get(worker_id)
-        if item is None:
-            return None
-        if item[1] <= now:
-            del self._records[worker_id]
-            return None
-        return item[0]
-
-    def _require(self, worker_id: str, now: float) -> WorkerRecord:
-        record = self._live(worker_id, now)
-        if record is None:
-            raise NotFoundError(f"no worker {worker_id!r} (expired or never registered)")
-        return record
-
-
-@dataclass(slots=True)
-class _Stream:
-    max_len: int
-    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)
-    last_seq: int = 0
-    entries: deque[tuple[int, PoolEvent]] = field(init=False)
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-    def __post_init__(self) -> None:
-        self.entries = deque(maxlen=self.max_len)
-
-    def collect(self, cursor: str) -> PoolEvents:
-        """Events after ``cursor``, or a gap if some of them are gone (or the cursor is from
-        another epoch, i.e. another store)."""
-        head = format_cursor(self.epoch, self.last_seq)
-        parsed = parse_cursor(cursor)
-        if parsed is None or parsed[0] != self.epoch or parsed[1] > self.last_seq:
-            return PoolEvents((), head, is_gap=True)
-        seq = parsed[1]
-        if seq == self.last_seq:
-            return PoolEvents((), cursor, is_gap=False)
-        first_seq = self.entries[0][0] if self.entries else self.last_seq + 1
-        if first_seq > seq + 1:
-            return PoolEvents((), head, is_gap=True)
-        events = tuple(e for s, e in self.entries if s > seq)[:MAX_EVENTS_PER_READ]
-        return PoolEvents(events, events[-1].cursor, is_gap=False)
-
-
-class MemoryPoolEventStream:
-    """``PoolEventStream`` in process memory: the last ``stream_max_len`` events per deployment.
-    The epoch is new per process, so a cursor from another process is always a gap."""
-
-    def __init__(self, options: StateOptions) -> None:
-        self._options = options
-        self._streams: dict[str, _Stream] = {}
-
-    def _stream(self, deployment: str) -> _Stream:
-        stream = self._streams.get(deployment)
-        if stream is None:
-            stream = self._streams[deployment] = _Stream(self._options.stream_max_len)
-        return stream
-
-    async def publish(self, event: PoolEvent) -> str:
-        if not event.deployment:
-            raise InvalidArgumentError("deployment: required", field="deployment")
-        stream = self._stream(event.deployment)
-        stream.last_seq += 1
-        cursor = format_cursor(stream.epoch, stream.last_seq)
-        stream.entries.append((stream.last_seq, replace(event, cursor=cursor)))
-        async with stream.changed:
-            stream.changed.notify_all()
-        return cursor
-
-    async def read(self, deployment: str, cursor: str, timeout_s: float = 0.0) -> PoolEvents:
-        stream = self._stream(deployment)
-        result = stream.collect(cursor)
-        if result.events or result.is_gap or timeout_s <= 0:
-            return result
-        seq = stream.last_seq
-        async with stream.changed:
-            try:
-                await asyncio.wait_for(
-                    stream.changed.wait_for(lambda: stream.last_seq > seq), timeout_s
-                )
-            except TimeoutError:
-                return result
-        return stream.collect(cursor)
-
-    async def snapshot(self, deployment: str, workers: WorkerStore) -> PoolSnapshot:
-        stream = self._stream(deployment)
-        cursor = format_cursor(stream.epoch, stream.last_seq)
-        return PoolSnapshot(tuple(await workers.list(deployment)), cursor)
-
-
-class MemoryTargetStore:
-    def __init__(self) -> None:
-        self._targets: dict[tuple[str, WorkerRole], int] = {}
-
-    async def set_target(self, deployment: str, role: WorkerRole, num_workers: int) -> None:
-        if not deployment:
-            raise InvalidArgumentError("deployment: required", field="deployment")
-        check_count(num_workers, "num_workers", 0)
-        self._targets[(deployment, WorkerRole(role))] = num_workers
-
-    async def get_target(self, deployment: str, role: WorkerRole) -> int | None:
-        return self._targets.get((deployment, WorkerRole(role)))
-
-
-class MemoryStateBackend:
-    """``StateBackend`` for one process. ``clock`` is the coordinator's clock."""
-
-    def __init__(self, clock: Clock, options: StateOptions | None = None) -> None:
-        options = options or StateOptions()
-        lock = asyncio.Lock()
-        self.workers = MemoryWorkerStore(clock, lock)
-        self.tickets = MemoryTicketLedger(clock, options, lock)
-        self.events = MemoryPoolEventStream(options)
-        self.targets = MemoryTargetStore()
-
-    async def ping(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        return None

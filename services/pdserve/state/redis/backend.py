@@ -1,0 +1,58 @@
+"""The Redis ``StateBackend``: the four Redis stores over one client, key prefix and script set."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from pdserve.common.types import Clock
+from pdserve.state.redis.calls import LuaScripts
+from pdserve.state.redis.events import RedisPoolEventStream
+from pdserve.state.redis.keys import RedisKeys
+from pdserve.state.redis.targets import RedisTargetStore
+from pdserve.state.redis.tickets import RedisTicketLedger
+from pdserve.state.redis.workers import RedisWorkerStore
+from pdserve.state.shared import StateOptions
+
+
+class RedisStateBackend:
+    """``StateBackend`` on one Redis (or, with the same scripts, a Redis Cluster client).
+    ``clock`` is the coordinator's clock. ``client`` must decode replies to text
+    (``decode_responses=True``) and use RESP2, as the one ``from_url`` makes does."""
+
+    def __init__(
+        self, client: aioredis.Redis, clock: Clock, options: StateOptions | None = None
+    ) -> None:
+        options = options or StateOptions()
+        self.client = client
+        self.keys = RedisKeys(options.key_prefix)
+        scripts = LuaScripts(client)
+        self.workers = RedisWorkerStore(client, scripts, self.keys, clock)
+        self.tickets = RedisTicketLedger(client, scripts, self.keys, clock, options)
+        self.events = RedisPoolEventStream(client, scripts, self.keys, options)
+        self.targets = RedisTargetStore(client, self.keys)
+
+    @classmethod
+    def from_url(
+        cls, url: str, clock: Clock, options: StateOptions | None = None
+    ) -> RedisStateBackend:
+        """A client for ``url`` with RESP2 replies, string decoding and no automatic retries."""
+        client = aioredis.Redis.from_url(
+            url,
+            decode_responses=True,
+            protocol=2,
+            retry=Retry(NoBackoff(), 0),
+            socket_connect_timeout=5.0,
+        )
+        return cls(client, clock, options)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.client.ping())
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+            return False
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,74 @@
+"""Redis key names of the hot state, all under one prefix.
+
+Keys are ``<prefix>:<area>:<entity>:<id>``; every key one script touches carries the decode
+worker's hash tag ``{w:<worker_id>}`` (or ``{d:<deployment>}`` for the change stream), so the
+scripts run unchanged on Redis Cluster::
+
+    <p>:ledger:{w:W}            hash  num_total_blocks, num_reserved_blocks, num_held_blocks
+    <p>:leases:{w:W}            zset  ticket id -> lease deadline (tickets with reserved blocks)
+    <p>:tickets:{w:W}           zset  ticket id -> purge time (+inf while it owns blocks)
+    <p>:ticket:{w:W}:T          hash  one ticket
+    <p>:ticketidx:T             str   T -> W, read before a script to build its keys
+    <p>:ledger:workers          set   workers with a ledger (for reap_expired over all)
+    <p>:tickets:workers         set   workers with tickets (for list_tickets over all)
+    <p>:worker:record:W         hash  worker record, PEXPIRE'd by heartbeat
+    <p>:worker:members:D:R      set   worker ids of deployment D, role R (stale ones dropped lazily)
+    <p>:worker:deployments      set   deployments with workers
+    <p>:events:meta:{d:D}       hash  epoch, seq of D's change stream
+    <p>:events:stream:{d:D}     stream of D's pool events, ids "<seq>-0"
+    <p>:target:D:R              str   target pool size
+"""
+
+from __future__ import annotations
+
+from pdserve.common.types import WorkerRole
+
+
+class RedisKeys:
+    """Key names under one prefix (see the module docstring for the layout)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def ledger(self, worker_id: str) -> str:
+        return f"{self.prefix}:ledger:{{w:{worker_id}}}"
+
+    def leases(self, worker_id: str) -> str:
+        return f"{self.prefix}:leases:{{w:{worker_id}}}"
+
+    def ticket_index(self, worker_id: str) -> str:
+        return f"{self.prefix}:tickets:{{w:{worker_id}}}"
+
+    def ticket(self, worker_id: str, ticket_id: str) -> str:
+        return f"{self.prefix}:ticket:{{w:{worker_id}}}:{ticket_id}"
+
+    def ticket_owner(self, ticket_id: str) -> str:
+        return f"{self.prefix}:ticketidx:{ticket_id}"
+
+    def ledger_workers(self) -> str:
+        return f"{self.prefix}:ledger:workers"
+
+    def ticket_workers(self) -> str:
+        return f"{self.prefix}:tickets:workers"
+
+    def ledger_keys(self, worker_id: str) -> list[str]:
+        """The first three keys of every ticket script."""
+        return [self.ledger(worker_id), self.leases(worker_id), self.ticket_index(worker_id)]
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:record:{worker_id}"
+
+    def worker_members(self, deployment: str, role: WorkerRole | str) -> str:
+        return f"{self.prefix}:worker:members:{deployment}:{role}"
+
+    def worker_deployments(self) -> str:
+        return f"{self.prefix}:worker:deployments"
+
+    def events_meta(self, deployment: str) -> str:
+        return f"{self.prefix}:events:meta:{{d:{deployment}}}"
+
+    def events_stream(self, deployment: str) -> str:
+        return f"{self.prefix}:events:stream:{{d:{deployment}}}"
+
+    def target(self, deployment: str, role: WorkerRole | str) -> str:
+        return f"{self.prefix}:target:{deployment}:{role}"
