@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+import numpy as np
+
 from pdserve.common.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -183,7 +185,7 @@ class PoolManager:
         if beat.expert_token_counts or beat.num_moe_layers:
             # Validated before anything changes: a malformed report refuses the whole heartbeat.
             expert_report = ExpertLoadReport(beat.worker_id, beat.num_moe_layers,
-                                             beat.expert_token_counts)
+                                             np.asarray(beat.expert_token_counts))
         record = await self._backend.workers.get(beat.worker_id)
         was_readopted = False
         if record is None or record.state is WorkerState.FAILED:
