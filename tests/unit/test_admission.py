@@ -22,12 +22,11 @@ from pdserve.router.admission import (
     AdmissionOutcome,
     AdmissionPolicy,
     AdmissionRequest,
-    WorkerSnapshot,
-    prior_tokens_per_s,
 )
 from pdserve.router.app import admission_config
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.pool_view import PoolView
+from pdserve.router.prediction import WorkerSnapshot, prior_tokens_per_s
 from pdserve.router.settings import RouterSettings
 from pdserve.router.types import GenerationRequest, PrefillMode
 
@@ -184,7 +183,8 @@ def test_in_flight_caps_per_router_and_per_tenant() -> None:
         assert policy.admit(request(f"v{i}", tenant="vip"), worker(), 0.0).is_admitted
     assert policy.admit(request("b0", tenant="b"), worker(), 0.0).is_admitted  # 9 in flight
     assert policy.admit(request("b1", tenant="b"), worker(), 0.0).is_admitted  # 10
-    assert policy.admit(request("b2", tenant="b"), worker(), 0.0).outcome is AdmissionOutcome.ROUTER_FULL
+    assert (policy.admit(request("b2", tenant="b"), worker(), 0.0).outcome
+            is AdmissionOutcome.ROUTER_FULL)
 
 
 def test_router_settings_become_the_admission_config() -> None:

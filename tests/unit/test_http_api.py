@@ -20,7 +20,8 @@ from pdserve.common.errors import (
     UnavailableError,
 )
 from pdserve.common.tokenizer import ByteTokenizer, render_chat_prompt
-from pdserve.router.http_api import IncrementalText, create_app, start_http_server
+from pdserve.router.detokenizer import IncrementalText
+from pdserve.router.http_api import create_app, start_http_server
 from pdserve.router.types import (
     FinishReason,
     GenerationChunk,

@@ -19,7 +19,8 @@ from pdserve.router.types import PrefillMode
 CONFIG = RoutingConfig(local_prefill_threshold_tokens=32, prefill_saturation_tokens=10_000)
 
 
-def decode(worker_id: str, free: int, total: int = 1000, running: int = 0, cached: int = 0) -> DecodeCandidate:
+def decode(worker_id: str, free: int, total: int = 1000, running: int = 0,
+           cached: int = 0) -> DecodeCandidate:
     return DecodeCandidate(worker_id, free, total, running, 16, cached)
 
 
@@ -78,8 +79,10 @@ def test_saturated_prefill_pool_falls_back_to_local() -> None:
 
 def test_forced_modes() -> None:
     decoders, prefillers = [decode("d", 900)], [PrefillCandidate("p", 50_000)]
-    assert not route(RouteRequest(5, 1, PrefillMode.REMOTE), decoders, prefillers, CONFIG).is_local_prefill
-    assert route(RouteRequest(5000, 1, PrefillMode.LOCAL), decoders, prefillers, CONFIG).is_local_prefill
+    assert not route(RouteRequest(5, 1, PrefillMode.REMOTE), decoders, prefillers,
+                     CONFIG).is_local_prefill
+    assert route(RouteRequest(5000, 1, PrefillMode.LOCAL), decoders, prefillers,
+                 CONFIG).is_local_prefill
     with pytest.raises(UnavailableError):
         route(RouteRequest(5, 1, PrefillMode.REMOTE), decoders, [], CONFIG)
 
@@ -89,7 +92,8 @@ def test_prefill_choice_weighs_prefix_overlap_against_queue() -> None:
     prefillers = [
         PrefillCandidate("cold", num_queued_prefill_tokens=0),
         PrefillCandidate("warm", num_queued_prefill_tokens=1000, num_cached_prefix_tokens=3500),
-        PrefillCandidate("warm-but-busy", num_queued_prefill_tokens=9000, num_cached_prefix_tokens=4000),
+        PrefillCandidate("warm-but-busy", num_queued_prefill_tokens=9000,
+                         num_cached_prefix_tokens=4000),
     ]
     assert route(request, [decode("d", 900)], prefillers, CONFIG).prefill_worker_id == "warm"
 

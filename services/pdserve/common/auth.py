@@ -16,7 +16,8 @@ as ``client`` (tenant ``""``); with no admin key file every caller counts as ``a
 server **without mutual TLS** cannot tell services from anyone else, so every caller counts as
 ``service`` and ``worker`` — the network is then the trust boundary, as for the KV data path in
 clear. Consequently only mutual TLS *and* both key files close every door; a server with keys
-but no mTLS logs a warning at start-up.
+but no mTLS logs a warning at start-up. The router's OpenAI HTTP API checks the same API key
+file (``bearer_tenant``: the ``Authorization`` header's bearer key, or 401).
 
 Method -> roles (``METHOD_ROLES``; a method missing from the table is refused, so a new RPC must
 be placed here before anyone can call it):
@@ -67,7 +68,7 @@ import inspect
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, ItemsView, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,12 +171,51 @@ def _stamp(path: Path) -> tuple[int, int, int]:
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
-class KeyFile(Mapping[str, str]):
+class KeyTable(Mapping[str, str]):
+    """Keys and their names (``key -> name``), looked up by SHA-256 digest so that the time a
+    lookup takes does not depend on how much of a key matched.
+
+    ``lookup`` is the call to use; the ``Mapping`` interface lets a table stand where a plain
+    dict is expected. ``KeyFile`` is a table that follows its file; a table built from a dict
+    serves keys given in code (tests, an application embedding the router).
+    """
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self._install(dict(keys))
+
+    def _install(self, keys: dict[str, str]) -> None:
+        self._keys = keys
+        self._by_digest = {_digest(k): name for k, name in keys.items()}
+
+    def lookup(self, key: str) -> str | None:
+        """The name (tenant or operator) of ``key``, or None."""
+        return self._by_digest.get(_digest(key))
+
+    def __getitem__(self, key: str) -> str:
+        name = self.lookup(key)
+        if name is None:
+            raise KeyError("unknown key")  # never echo the key
+        return name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def items(self) -> ItemsView[str, str]:
+        """The ``(key, name)`` pairs now (a copy: a reload does not change it under the caller)."""
+        return dict(self._keys).items()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self._keys)} keys)"
+
+
+class KeyFile(KeyTable):
     """A key file (``key -> name``) that follows edits to the file without a restart.
 
-    ``lookup`` is the call to use; the ``Mapping`` interface (iterating keys, ``items()``) exists
-    so code written for a plain dict (the HTTP API) works with a live file. ``clock`` is
-    monotonic seconds. Raises ``ConfigError`` at construction if the file is missing or bad.
+    Every read re-reads the file first if it changed (see ``refresh``). ``clock`` is monotonic
+    seconds. Raises ``ConfigError`` at construction if the file is missing or bad.
     """
 
     def __init__(self, path: Path, *, poll_interval_s: float = 1.0,
@@ -188,13 +228,9 @@ class KeyFile(Mapping[str, str]):
             keys = parse_key_file(path.read_text(), str(path))
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read the key file: {exc.strerror}") from None
-        self._install(keys)
+        super().__init__(keys)
         self._next_check_s = clock() + poll_interval_s
         self.num_reloads = 0
-
-    def _install(self, keys: dict[str, str]) -> None:
-        self._keys = keys
-        self._by_digest = {_digest(k): name for k, name in keys.items()}
 
     def refresh(self, *, force: bool = False) -> bool:
         """Re-read the file if it changed (or ``force``); True when new keys were installed.
@@ -223,27 +259,20 @@ class KeyFile(Mapping[str, str]):
         return True
 
     def lookup(self, key: str) -> str | None:
-        """The name (tenant or operator) of ``key``, or None."""
         self.refresh()
-        return self._by_digest.get(_digest(key))
-
-    def __getitem__(self, key: str) -> str:
-        name = self.lookup(key)
-        if name is None:
-            raise KeyError("unknown key")  # never echo the key
-        return name
+        return super().lookup(key)
 
     def __iter__(self) -> Iterator[str]:
         self.refresh()
-        return iter(list(self._keys))
+        return super().__iter__()
 
     def __len__(self) -> int:
         self.refresh()
-        return len(self._keys)
+        return super().__len__()
 
-    def items(self):
+    def items(self) -> ItemsView[str, str]:
         self.refresh()
-        return list(self._keys.items())
+        return super().items()
 
     def __repr__(self) -> str:
         return f"KeyFile({str(self.path)!r}, {len(self._keys)} keys)"
@@ -322,6 +351,12 @@ def decide(method: str, principal: Principal,
     return Decision.PERMISSION_DENIED if principal.has_credential else Decision.UNAUTHENTICATED
 
 
+def _parse_authorization(text: str) -> tuple[bool, str]:
+    """Whether an authorization value's scheme is Bearer, and the credential after the scheme."""
+    scheme, _, credential = text.strip().partition(" ")
+    return scheme.lower() == "bearer", credential.strip()
+
+
 def bearer_key(metadata: Any) -> str | None:
     """The key of an ``authorization: Bearer <key>`` entry; ``""`` for an authorization entry
     of another form (refused), None when there is none."""
@@ -329,9 +364,22 @@ def bearer_key(metadata: Any) -> str | None:
         if entry_key.lower() != AUTHORIZATION_KEY:
             continue
         text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-        scheme, _, key = text.strip().partition(" ")
-        return key.strip() if scheme.lower() == "bearer" else ""
+        is_bearer, key = _parse_authorization(text)
+        return key if is_bearer else ""
     return None
+
+
+def bearer_tenant(authorization: str, api_keys: KeyTable) -> str:
+    """The tenant of the API key in an HTTP ``Authorization: Bearer <key>`` header (the router's
+    OpenAI API); ``authorization`` is the header's value, ``""`` when there is none. Raises
+    ``UnauthenticatedError`` when there is no credential, or one that is not a known bearer key.
+    """
+    is_bearer, key = _parse_authorization(authorization)
+    tenant = api_keys.lookup(key) if is_bearer and key else None
+    if tenant is None:
+        raise UnauthenticatedError("Incorrect API key provided" if key
+                                   else "Missing API key: send 'Authorization: Bearer <key>'")
+    return tenant
 
 
 def bearer_metadata(key: str) -> tuple[tuple[str, str]]:
@@ -343,7 +391,7 @@ class Authenticator:
     """Turns a call's credentials into a ``Principal`` (see the module docstring for the
     defaults when a key file or mutual TLS is absent)."""
 
-    def __init__(self, api_keys: KeyFile | None, admin_keys: KeyFile | None, *,
+    def __init__(self, api_keys: KeyTable | None, admin_keys: KeyTable | None, *,
                  is_mutual_tls: bool) -> None:
         self.api_keys = api_keys
         self.admin_keys = admin_keys

@@ -3,29 +3,10 @@ in by the caller. The router calls it once per request, after routing and before
 ticket, so a request that cannot meet its TTFT SLO is refused before any prefill work (or KV
 reservation) is spent on it; the simulator calls the same object.
 
-**Prediction.** A request's TTFT if admitted now is the wait behind the prefill work queued on
-the worker that would prefill it (the chosen prefill worker, or the decode worker for local
-prefill) plus its own prefill, both at the worker's learned prefill rate::
-
-    predicted_ttft_s = (queued_tokens + num_prefill_tokens) / tokens_per_s
-
-``queued_tokens`` is not the heartbeat's figure alone (up to a heartbeat period stale): it is
-this router's own dispatches still in flight on the worker (known exactly, less the progress the
-worker has made on the head one), plus the *foreign* part of the last report -- what the worker
-reported beyond this router's own work when the report arrived -- drained at the worker's rate
-since then (other routers' work; the next report corrects it).
-
-``tokens_per_s`` is learned online per worker from the router's own timing of its prefills: the
-worker serves its prefill queue first come first served, so a job's service time is its
-completion time minus the later of its dispatch and the previous job's completion (a departure-
-time reconstruction that needs nothing from the worker). The estimate is an exponentially
-weighted ratio estimator -- a decayed sum of tokens over a decayed sum of seconds, each new job
-weighing ``ewma_alpha``, so a recent mix of prompt lengths is costed as a mix and per-job fixed
-costs are spread over it -- seeded with a prior from the calibrated performance model for the
-worker's model, GPU and TP degree. Tokens are whole prompts throughout. The prior
-does not know how fast a simulated GPU runs (``speedup``) or how a real engine falls short of its
-roofline; the observations do. (With several router replicas, other routers' jobs interleaved
-with this router's make its samples pessimistic; that errs on the side of shedding.)
+**Prediction** (``router.prediction``): a request's TTFT if admitted now is the prefill work
+queued on the worker that would prefill it -- this router's own prefills there
+(``router.in_flight``) plus the foreign part of the worker's last report -- and its own prompt,
+at the worker's learned prefill rate.
 
 **Shedding** (each refusal is immediate, with a retry hint, never a wait in an unbounded queue):
 
@@ -53,16 +34,13 @@ the queue that caused the refusal. ``is_shedding_enabled=False`` keeps only the 
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from pdserve.common.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from pdserve.router.pool_view import WorkerView
+from pdserve.router.in_flight import InFlightLedger
+from pdserve.router.prediction import TtftPredictor, WorkerSnapshot
 
 
 class AdmissionOutcome(enum.StrEnum):
@@ -141,19 +119,6 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerSnapshot:
-    """What the pool view says about the worker that would prefill a request."""
-
-    worker_id: str
-    num_queued_prefill_tokens: int = 0
-    """Prompt tokens queued or in progress, as last reported."""
-    report_s: float = 0.0
-    """Identity of that report (its heartbeat time, on any clock): a new value is a new report."""
-    prior_tokens_per_s: float = 0.0
-    """Prefill rate the performance model predicts; 0 = unknown (use the configured default)."""
-
-
-@dataclass(frozen=True, slots=True)
 class AdmissionRequest:
     request_id: str
     tenant: str
@@ -180,61 +145,29 @@ class AdmissionDecision:
 
 
 @dataclass(slots=True)
-class _Job:
-    num_tokens: int
-    dispatch_s: float
-
-
-@dataclass(slots=True)
-class _Worker:
-    prior_tokens_per_s: float
-    sum_tokens: float = 0.0
-    """Decayed sum of prefilled tokens (with ``sum_s``, the ratio estimator of the rate)."""
-    sum_s: float = 0.0
-    num_samples: int = 0
-    jobs: dict[str, _Job] = field(default_factory=dict)
-    """This router's jobs in flight on the worker, in dispatch order."""
-    num_own_tokens: int = 0
-    last_done_s: float = -math.inf
-    report_s: float | None = None
-    foreign_tokens: float = 0.0
-    """Reported work beyond this router's own when the last report arrived."""
-    foreign_at_s: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.sum_tokens / self.sum_s if self.num_samples else self.prior_tokens_per_s
-
-    def observe(self, num_tokens: int, service_s: float, alpha: float) -> None:
-        if not self.num_samples:
-            # The prior counts as one earlier observation of the same size.
-            self.sum_tokens, self.sum_s = num_tokens, num_tokens / self.prior_tokens_per_s
-        self.sum_tokens = (1 - alpha) * self.sum_tokens + alpha * num_tokens
-        self.sum_s = (1 - alpha) * self.sum_s + alpha * service_s
-        self.num_samples += 1
-
-
-@dataclass(slots=True)
 class _Request:
     tenant: str
     num_tokens: int
-    worker_id: str
     is_pending: bool = True
 
 
 class AdmissionPolicy:
     """Per-router admission state and decisions. Not thread-safe; one event loop calls it.
 
-    Life of a request: ``admit`` (which, when it admits, books the request's tokens on the worker
-    it was predicted against) -> ``dispatched`` when its prefill is actually sent (again for each
-    retry, possibly elsewhere) -> ``prefill_done`` when the prefill finished or failed ->
-    ``finish`` when the request ends, whatever happened. Every method takes ``now_s`` from the
-    caller's monotonic clock; calls for unknown request ids are ignored.
+    Life of a request: ``admit`` (which, when it admits, books the request's prefill in the
+    ``InFlightLedger`` on the worker it was predicted against) -> ``dispatched`` when its prefill
+    is actually sent (again for each retry, possibly elsewhere) -> ``prefill_done`` when the
+    prefill finished or failed -> ``finish`` when the request ends, whatever happened. Every
+    method takes ``now_s`` from the caller's monotonic clock; calls for unknown request ids are
+    ignored. ``in_flight`` is the router's ledger (routing reads it too); a policy used alone
+    keeps its own.
     """
 
-    def __init__(self, config: AdmissionConfig) -> None:
+    def __init__(self, config: AdmissionConfig, in_flight: InFlightLedger | None = None) -> None:
         self.config = config
-        self._workers: dict[str, _Worker] = {}
+        self._in_flight = in_flight if in_flight is not None else InFlightLedger()
+        self._predictor = TtftPredictor(self._in_flight, ewma_alpha=config.ewma_alpha,
+                                       default_tokens_per_s=config.default_tokens_per_s)
         self._requests: dict[str, _Request] = {}
         self._tenant_in_flight: Counter[str] = Counter()
         self._tenant_pending_tokens: Counter[str] = Counter()
@@ -263,17 +196,15 @@ class AdmissionPolicy:
 
     def tokens_per_s(self, worker_id: str) -> float | None:
         """The learned prefill rate of a worker, or None if it was never seen."""
-        worker = self._workers.get(worker_id)
-        return worker.tokens_per_s if worker else None
+        return self._predictor.tokens_per_s(worker_id)
 
     def estimated_queued_tokens(self, snapshot: WorkerSnapshot, now_s: float) -> int:
-        """Prefill tokens ahead of a new job on the worker now (see the module docstring)."""
-        return round(self._queued_tokens(self._worker(snapshot, now_s), now_s))
+        """Prefill tokens ahead of a new job on the worker now (``router.prediction``)."""
+        return round(self._predictor.estimate(snapshot, now_s).queued_tokens)
 
     def predict_ttft_s(self, snapshot: WorkerSnapshot, num_prefill_tokens: int,
                        now_s: float) -> float:
-        worker = self._worker(snapshot, now_s)
-        return (self._queued_tokens(worker, now_s) + max(1, num_prefill_tokens)) / worker.tokens_per_s
+        return self._predictor.estimate(snapshot, now_s).ttft_s(num_prefill_tokens)
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -286,14 +217,14 @@ class AdmissionPolicy:
                                        field="request_id")
         config = self.config
         num_tokens = max(1, request.num_prefill_tokens)
-        state = self._worker(worker, now_s)
-        rate = state.tokens_per_s
-        queued = self._queued_tokens(state, now_s)
-        predicted = (queued + num_tokens) / rate
+        estimate = self._predictor.estimate(worker, now_s)
+        rate = estimate.tokens_per_s
+        predicted = estimate.ttft_s(num_tokens)
         tenant = request.tenant
         self._seen(tenant, now_s)
 
-        def shed(outcome: AdmissionOutcome, retry_after_s: float, message: str) -> AdmissionDecision:
+        def shed(outcome: AdmissionOutcome, retry_after_s: float,
+                 message: str) -> AdmissionDecision:
             return AdmissionDecision(outcome, predicted, self._clamp(retry_after_s), message)
 
         if self.num_in_flight >= config.max_in_flight:
@@ -322,11 +253,11 @@ class AdmissionPolicy:
                 return shed(AdmissionOutcome.FAIR_SHARE,
                             max(predicted - onset_s, excess_tokens / rate),
                             "tenant holds more than its share of a saturated queue")
-        self._requests[request.request_id] = _Request(tenant, num_tokens, worker.worker_id)
+        self._requests[request.request_id] = _Request(tenant, num_tokens)
         self._tenant_in_flight[tenant] += 1
         self._tenant_pending_tokens[tenant] += num_tokens
         self._num_pending += 1
-        self._book(state, request.request_id, num_tokens, now_s)
+        self._in_flight.book_prefill(request.request_id, worker.worker_id, num_tokens, now_s)
         return AdmissionDecision(AdmissionOutcome.ADMITTED, predicted)
 
     def dispatched(self, request_id: str, worker: WorkerSnapshot, now_s: float) -> None:
@@ -334,14 +265,14 @@ class AdmissionPolicy:
         request = self._requests.get(request_id)
         if request is None:
             return
-        self._unbook(request_id, request)
+        # Not sent before now: a report that arrived since admission cannot show it.
+        self._in_flight.end_prefill(request_id)
         if not request.is_pending:
             request.is_pending = True
             self._num_pending += 1
             self._tenant_pending_tokens[request.tenant] += request.num_tokens
-        request.worker_id = worker.worker_id
-        state = self._worker(worker, now_s)
-        self._book(state, request_id, request.num_tokens, now_s)
+        self._predictor.observe(worker, now_s)
+        self._in_flight.book_prefill(request_id, worker.worker_id, request.num_tokens, now_s)
 
     def prefill_done(self, request_id: str, now_s: float, *, is_ok: bool) -> None:
         """The prefill finished (``is_ok``: its result arrived) or failed or was cancelled. Only
@@ -354,14 +285,9 @@ class AdmissionPolicy:
         self._tenant_pending_tokens[request.tenant] -= request.num_tokens
         if self._tenant_pending_tokens[request.tenant] <= 0:
             del self._tenant_pending_tokens[request.tenant]
-        worker = self._workers.get(request.worker_id)
-        job = self._unbook(request_id, request)
-        if worker is None or job is None or not is_ok:
-            return
-        service_s = now_s - max(job.dispatch_s, worker.last_done_s)
-        worker.last_done_s = now_s
-        if service_s > 0:
-            worker.observe(job.num_tokens, service_s, self.config.ewma_alpha)
+        job = self._in_flight.end_prefill(request_id)
+        if job is not None and is_ok:
+            self._predictor.learn(job, now_s)
 
     def finish(self, request_id: str) -> None:
         """The request ended (any outcome): it stops counting against its tenant and the router."""
@@ -375,39 +301,10 @@ class AdmissionPolicy:
         if self._tenant_in_flight[request.tenant] <= 0:
             del self._tenant_in_flight[request.tenant]
 
-    def forget_worker(self, worker_id: str) -> None:
-        """Drop a worker that left the pool (its learned rate goes with it)."""
-        worker = self._workers.get(worker_id)
-        if worker is not None and not worker.jobs:
-            del self._workers[worker_id]
-
     # -- internals ----------------------------------------------------------------------------
 
     def _clamp(self, retry_after_s: float) -> float:
         return min(self.config.max_retry_after_s, max(self.config.min_retry_after_s, retry_after_s))
-
-    def _worker(self, snapshot: WorkerSnapshot, now_s: float) -> _Worker:
-        worker = self._workers.get(snapshot.worker_id)
-        if worker is None:
-            worker = self._workers[snapshot.worker_id] = _Worker(
-                snapshot.prior_tokens_per_s or self.config.default_tokens_per_s)
-        if snapshot.report_s != worker.report_s:
-            worker.report_s = snapshot.report_s
-            worker.foreign_tokens = float(max(0, snapshot.num_queued_prefill_tokens
-                                              - worker.num_own_tokens))
-            worker.foreign_at_s = now_s
-        return worker
-
-    def _queued_tokens(self, worker: _Worker, now_s: float) -> float:
-        rate = worker.tokens_per_s
-        foreign_drained_at = worker.foreign_at_s + worker.foreign_tokens / rate
-        foreign = max(0.0, worker.foreign_tokens - rate * (now_s - worker.foreign_at_s))
-        own = float(worker.num_own_tokens)
-        if worker.jobs:
-            head = next(iter(worker.jobs.values()))
-            started = max(head.dispatch_s, worker.last_done_s, foreign_drained_at)
-            own -= min(head.num_tokens, rate * max(0.0, now_s - started))
-        return foreign + own
 
     def _seen(self, tenant: str, now_s: float) -> None:
         seen = self._tenant_seen_s
@@ -427,55 +324,6 @@ class AdmissionPolicy:
             return 0.0
         active = set(pending) | set(self._tenant_seen_s)
         weight = self._tenant_weights.get(tenant, 1.0)
-        share = sum(pending.values()) * weight / sum(self._tenant_weights.get(t, 1.0) for t in active)
+        total_weight = sum(self._tenant_weights.get(t, 1.0) for t in active)
+        share = sum(pending.values()) * weight / total_weight
         return pending[tenant] - share
-
-    def _book(self, worker: _Worker, request_id: str, num_tokens: int, now_s: float) -> None:
-        worker.jobs[request_id] = _Job(num_tokens, now_s)
-        worker.num_own_tokens += num_tokens
-
-    def _unbook(self, request_id: str, request: _Request) -> _Job | None:
-        worker = self._workers.get(request.worker_id)
-        if worker is None:
-            return None
-        job = worker.jobs.pop(request_id, None)
-        if job is not None:
-            worker.num_own_tokens -= job.num_tokens
-        return job
-
-
-# -- adapters ---------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=64)
-def _perf_model(model: str, gpu: str, tp_size: int) -> object | None:
-    from pdserve.perf.perf_model import perf_model_for
-
-    try:
-        return perf_model_for(model, gpu, tp_size)
-    except Exception:  # noqa: BLE001 - unknown to the catalog: no prior
-        return None
-
-
-def prior_tokens_per_s(model: str, gpu: str, tp_size: int, num_tokens: int) -> float:
-    """Prefill rate the calibrated performance model predicts for one prompt of ``num_tokens``
-    on ``model`` x ``gpu`` x ``tp_size``; 0.0 when the catalog does not know them."""
-    perf = _perf_model(model, gpu, max(1, tp_size))
-    if perf is None or num_tokens <= 0:
-        return 0.0
-    seconds = perf.prefill_time_s([num_tokens])  # type: ignore[attr-defined]
-    return num_tokens / seconds if seconds > 0 else 0.0
-
-
-def snapshot_of(worker: WorkerView, num_prefill_tokens: int) -> WorkerSnapshot:
-    """The admission view of a pool-view worker (prior from its model, GPU and TP degree)."""
-    info = worker.info
-    return WorkerSnapshot(
-        worker_id=worker.worker_id,
-        num_queued_prefill_tokens=worker.record.load.num_queued_prefill_tokens,
-        report_s=worker.record.last_heartbeat_s,
-        # The worker's own figure when it gives one (it knows its engine and speed), else the
-        # performance model's for its model, GPU and TP degree.
-        prior_tokens_per_s=info.prefill_tokens_per_s or prior_tokens_per_s(
-            info.model or worker.record.deployment, info.gpu, info.tp_size, num_prefill_tokens),
-    )

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
 from pdserve.api.v1 import router_pb2_grpc
 from pdserve.common.grpc_client import open_channel
@@ -24,6 +25,9 @@ from pdserve.router.settings import RouterSettings
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
 from pdserve.state.stores import open_stores
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class RouterApp:
                              prefix_index, self.outcomes)
         self.servicer = RouterServicer(self.router, self.tokenizer)
         self.http_port: int | None = None
-        self._http_runner = None
+        self._http_runner: web.AppRunner | None = None
         self._stop = asyncio.Event()
         self._outcome_task: asyncio.Task[None] | None = None
 

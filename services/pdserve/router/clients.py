@@ -104,7 +104,9 @@ class WorkerClients:
             await channel.close()
 
 
-async def iterate_stream(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[worker_pb2.DecodeResponse]:
+async def iterate_stream(
+    call: grpc.aio.UnaryStreamCall,
+) -> AsyncIterator[worker_pb2.DecodeResponse]:
     """The call's messages; gRPC failures come out as ``PdserveError``."""
     try:
         async for message in call:

@@ -1,5 +1,18 @@
-"""The router core: validation, admission, routing (the pure policy), ticket, dispatch of prefill
-and decode, retries before the first token, token streaming, cancellation and outcome records.
+"""The router core: one request's path through the router, top to bottom.
+
+1. ``generate`` validates the request and registers it (``cancel`` finds it there), runs its
+   attempts, ends the stream with usage and timing, and records the outcome.
+2. ``_attempts`` routes (``router.policy``: the pure decision, over the pool view and what this
+   router has in flight on each worker), admits the request on the first attempt
+   (``router.admission``: sheds before any ticket or prefill work is spent) and retries failures
+   before the first token on other workers.
+3. ``_attempt`` opens the ticket (KV blocks reserved on the decode worker), dispatches prefill
+   and decode, streams the decode worker's tokens, and on any failure aborts the ticket and
+   cancels both calls.
+
+What the request has in flight lives in one ``InFlightLedger`` (``router.in_flight``): admission
+books its prefill there (and moves it when the prefill is sent, ends it when it is done), the
+attempt reserves its blocks there for as long as it runs, and routing reads both.
 
 Retries: any failure before the first token (a worker down, a ticket refused for capacity, a
 transfer that failed) aborts the ticket and tries again on other workers, up to
@@ -17,8 +30,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
+import grpc
 from opentelemetry import trace
 
 from pdserve.api.v1 import common_pb2 as pb
@@ -33,14 +47,10 @@ from pdserve.common.errors import (
     UnavailableError,
 )
 from pdserve.common.tokenizer import prefix_block_hashes
-from pdserve.common.types import TicketSpec, WorkerRole
-from pdserve.router.admission import (
-    AdmissionConfig,
-    AdmissionPolicy,
-    AdmissionRequest,
-    snapshot_of,
-)
+from pdserve.common.types import FencingToken, TicketSpec, WorkerRole
+from pdserve.router.admission import AdmissionConfig, AdmissionPolicy, AdmissionRequest
 from pdserve.router.clients import TicketClient, WorkerClients, iterate_stream
+from pdserve.router.in_flight import InFlightLedger
 from pdserve.router.policy import (
     DecodeCandidate,
     PrefillCandidate,
@@ -49,12 +59,16 @@ from pdserve.router.policy import (
     RoutingConfig,
     route,
 )
-from pdserve.router.pool_view import PoolView
+from pdserve.router.pool_view import PoolView, WorkerView
+from pdserve.router.prediction import snapshot_of
 from pdserve.router.types import (
+    PB_TO_FINISH_REASON,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
     ModelCard,
+    OutcomeSink,
+    RequestOutcome,
     RequestTiming,
     Usage,
 )
@@ -91,28 +105,6 @@ class RouterConfig:
                                                  max_in_flight=self.max_in_flight)
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutcome:
-    """One finished request, for metrics and the per-window durable aggregate."""
-
-    request_id: str
-    deployment: str
-    ttft_s: float
-    tpot_s: float
-    num_prompt_tokens: int
-    num_output_tokens: int
-    is_ok: bool
-    is_local_prefill: bool
-    num_attempts: int
-    error_code: str = ""
-    exposed_transfer_s: float = 0.0
-    queue_s: float = 0.0
-
-
-class OutcomeSink(Protocol):
-    def record(self, outcome: RequestOutcome) -> None: ...
-
-
 class _Retry(Exception):
     """A failure before the first token: try other workers."""
 
@@ -126,6 +118,9 @@ class _Retry(Exception):
 
 
 class Router:
+    """The router core behind both front ends (a ``GenerationBackend``); the module docstring
+    follows one request through it."""
+
     def __init__(
         self,
         config: RouterConfig,
@@ -137,17 +132,18 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.admission = AdmissionPolicy(config.admission_config())
+        self.in_flight = InFlightLedger()
+        """This router's prefills and KV reservations on each worker (routing and admission)."""
+        self.admission = AdmissionPolicy(config.admission_config(), self.in_flight)
         self._clock = clock
         self._view = view
         self._tickets = tickets
         self._workers = workers
         self._prefix_index = prefix_index
         self._outcome_sink = outcome_sink
-        self._in_flight: dict[str, asyncio.Task[object] | None] = {}
+        self._tasks: dict[str, asyncio.Task[Any] | None] = {}
+        """Request id -> the task serving it, for every request in flight here."""
         self._cancelled: set[str] = set()
-        self._pending_blocks: dict[str, int] = {}
-        self._pending_seqs: dict[str, int] = {}
 
     # -- front-end protocol -------------------------------------------------------------------
 
@@ -167,21 +163,23 @@ class Router:
     async def cancel(self, request_id: str) -> bool:
         """Cancel a request in flight on this router: its task is cancelled, which aborts its
         ticket and cancels its worker calls (everything it holds is freed)."""
-        if request_id not in self._in_flight:
+        if request_id not in self._tasks:
             return False
         self._cancelled.add(request_id)
-        task = self._in_flight[request_id]
+        task = self._tasks[request_id]
         if task is not None and task is not asyncio.current_task():
             task.cancel()
         return True
 
+    # -- 1. the request -----------------------------------------------------------------------
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._validate(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        if request_id in self._in_flight:
+        if request_id in self._tasks:
             raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight",
                                        field="request_id")
-        self._in_flight[request_id] = asyncio.current_task()
+        self._tasks[request_id] = asyncio.current_task()
         started = time.perf_counter()
         outcome_error = ""
         first_token_at: float | None = None
@@ -216,12 +214,10 @@ class Router:
             raise
         finally:
             self.admission.finish(request_id)
-            self._in_flight.pop(request_id, None)
+            self._tasks.pop(request_id, None)
             self._cancelled.discard(request_id)
             self._record(request, request_id, started, first_token_at, num_output, attempts,
                          is_local, outcome_error, exposed_s)
-
-    # -- validation ---------------------------------------------------------------------------
 
     def _validate(self, request: GenerationRequest) -> None:
         if not request.model:
@@ -240,8 +236,8 @@ class Router:
             raise InvalidArgumentError("max_tokens: must be > 0", field="max_tokens")
         if request.max_tokens > self.config.max_tokens_limit:
             raise InvalidArgumentError(
-                f"max_tokens: {request.max_tokens} exceeds the limit {self.config.max_tokens_limit}",
-                field="max_tokens")
+                f"max_tokens: {request.max_tokens} exceeds the limit "
+                f"{self.config.max_tokens_limit}", field="max_tokens")
         context = self._view.max_context_tokens(request.model)
         if context and len(request.prompt_token_ids) + request.max_tokens > context:
             raise InvalidArgumentError(
@@ -249,7 +245,7 @@ class Router:
                 f"({request.max_tokens}) exceeds the model's context of {context} tokens",
                 field="max_tokens")
 
-    # -- attempts -----------------------------------------------------------------------------
+    # -- 2. attempts: routing, admission, retries ---------------------------------------------
 
     async def _attempts(
         self, request: GenerationRequest, request_id: str
@@ -259,7 +255,7 @@ class Router:
         is_backoff = False
         for attempt in range(1, self.config.max_attempts + 1):
             try:
-                decision = await self._decide(request, frozenset(excluded))
+                decision = await self._route(request, frozenset(excluded))
             except CapacityError:
                 raise
             except UnavailableError:
@@ -270,7 +266,7 @@ class Router:
                 # Every worker was excluded after control-plane failures (e.g. a store restart
                 # until the workers' next heartbeats): after the backoff, try them again.
                 excluded.clear()
-                decision = await self._decide(request, frozenset())
+                decision = await self._route(request, frozenset())
             is_local = decision.is_local_prefill
             if attempt == 1:
                 self._admit(request, request_id, decision)
@@ -289,6 +285,44 @@ class Router:
         assert last_error is not None
         raise last_error
 
+    async def _route(self, request: GenerationRequest, excluded: frozenset[str]) -> RouteDecision:
+        decoders = self._view.ready(request.model, WorkerRole.DECODE)
+        prefillers = self._view.ready(request.model, WorkerRole.PREFILL)
+        num_prompt_tokens = len(request.prompt_token_ids)
+        overlap: dict[str, int] = {}
+        block_size = decoders[0].block_size_tokens if decoders else 16
+        if self._prefix_index is not None and prefillers and num_prompt_tokens >= block_size:
+            hashes = prefix_block_hashes(list(request.prompt_token_ids), block_size)
+            try:
+                overlap = await self._prefix_index.overlap(
+                    request.model, [w.worker_id for w in prefillers], hashes)
+            except Exception:  # noqa: BLE001 - routing without prefix hints is still correct
+                logger.debug("prefix index unavailable", exc_info=True)
+        return route(
+            RouteRequest(num_prompt_tokens, request.max_tokens, request.prefill_mode),
+            [self._decode_candidate(w) for w in decoders],
+            [PrefillCandidate(
+                worker_id=w.worker_id,
+                # Reported queue plus this router's dispatches since (reports are ~1 s stale).
+                num_queued_prefill_tokens=self.admission.estimated_queued_tokens(
+                    snapshot_of(w, num_prompt_tokens), self._clock()),
+                num_cached_prefix_tokens=overlap.get(w.worker_id, 0) * block_size,
+            ) for w in prefillers],
+            self.config.routing,
+            excluded,
+        )
+
+    def _decode_candidate(self, worker: WorkerView) -> DecodeCandidate:
+        load = worker.record.load
+        in_flight = self.in_flight.on(worker.worker_id)
+        return DecodeCandidate(
+            worker_id=worker.worker_id, num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks, num_running_seqs=load.num_running_seqs,
+            block_size_tokens=worker.block_size_tokens,
+            num_pending_blocks=in_flight.num_reserved_blocks,
+            num_pending_seqs=in_flight.num_seqs,
+        )
+
     def _admit(self, request: GenerationRequest, request_id: str, decision: RouteDecision) -> None:
         """Admission before any ticket or prefill work: raises ``CapacityError`` to shed."""
         worker_id = decision.prefill_worker_id or decision.decode_worker_id
@@ -302,205 +336,164 @@ class Router:
         if not verdict.is_admitted:
             raise CapacityError(verdict.message, retry_after_s=verdict.retry_after_s)
 
-    def _prefill_done(self, request_id: str, task: asyncio.Task[object] | None = None) -> None:
-        is_ok = task is None or (not task.cancelled() and task.exception() is None)
-        self.admission.prefill_done(request_id, self._clock(), is_ok=is_ok)
-
-    async def _decide(self, request: GenerationRequest, excluded: frozenset[str]) -> RouteDecision:
-        decoders = self._view.ready(request.model, WorkerRole.DECODE)
-        prefillers = self._view.ready(request.model, WorkerRole.PREFILL)
-        overlap: dict[str, int] = {}
-        block_size = decoders[0].block_size_tokens if decoders else 16
-        if self._prefix_index is not None and prefillers and len(request.prompt_token_ids) >= block_size:
-            hashes = prefix_block_hashes(list(request.prompt_token_ids), block_size)
-            try:
-                overlap = await self._prefix_index.overlap(
-                    request.model, [w.worker_id for w in prefillers], hashes)
-            except Exception:  # noqa: BLE001 - routing without prefix hints is still correct
-                logger.debug("prefix index unavailable", exc_info=True)
-        return route(
-            RouteRequest(len(request.prompt_token_ids), request.max_tokens, request.prefill_mode),
-            [DecodeCandidate(
-                worker_id=w.worker_id, num_free_blocks=w.record.load.num_free_blocks,
-                num_total_blocks=w.record.load.num_total_blocks,
-                num_running_seqs=w.record.load.num_running_seqs,
-                block_size_tokens=w.block_size_tokens,
-                num_pending_blocks=self._pending_blocks.get(w.worker_id, 0),
-                num_pending_seqs=self._pending_seqs.get(w.worker_id, 0),
-            ) for w in decoders],
-            [PrefillCandidate(
-                worker_id=w.worker_id,
-                # Reported queue plus this router's dispatches since (reports are ~1 s stale).
-                num_queued_prefill_tokens=self.admission.estimated_queued_tokens(
-                    snapshot_of(w, len(request.prompt_token_ids)), self._clock()),
-                num_cached_prefix_tokens=overlap.get(w.worker_id, 0) * block_size,
-            ) for w in prefillers],
-            self.config.routing,
-            excluded,
-        )
+    # -- 3. one attempt: ticket, dispatch, decode stream --------------------------------------
 
     async def _attempt(
         self, request: GenerationRequest, request_id: str, decision: RouteDecision
     ) -> AsyncIterator[tuple[GenerationChunk, float]]:
-        config = self.config
+        """Chunks of one attempt with the transfer time the decode worker saw exposed so far.
+        A failure before the first token is a ``_Retry``; any failure frees what the ticket
+        holds, on both sides."""
         decode = self._view.get(request.model, decision.decode_worker_id)
-        prefill = self._view.get(request.model, decision.prefill_worker_id) if decision.prefill_worker_id else None
+        prefill = (self._view.get(request.model, decision.prefill_worker_id)
+                   if decision.prefill_worker_id else None)
         if decode is None or (decision.prefill_worker_id and prefill is None):
             raise _Retry(UnavailableError("worker left the pool"), (decision.decode_worker_id,))
         prompt = list(request.prompt_token_ids)
-        try:
-            token = await self._tickets.open(TicketSpec(
-                deployment=request.model, decode_worker_id=decode.worker_id,
-                prefill_worker_id=decision.prefill_worker_id, num_blocks=decision.num_blocks,
-                lease_s=config.lease_s, request_id=request_id, num_prompt_tokens=len(prompt),
-            ), config.rpc_timeout_s)
-        except CapacityError as exc:
-            raise _Retry(exc, (decode.worker_id,)) from None
-        except UnavailableError as exc:
-            # The coordinator (or its store) could not take the ticket, the worker is draining,
-            # or the store no longer knows it (a restart, until its next heartbeat): try other
-            # workers after a short wait; all of them again if every one failed so.
-            raise _Retry(exc, (decode.worker_id,), is_backoff=True) from None
-        self._pending_blocks[decode.worker_id] = self._pending_blocks.get(decode.worker_id, 0) + decision.num_blocks
-        self._pending_seqs[decode.worker_id] = self._pending_seqs.get(decode.worker_id, 0) + 1
-        decode_call = None
+        token = await self._open_ticket(request, request_id, decision)
+        self.in_flight.reserve_blocks(token.ticket_id, decode.worker_id, decision.num_blocks)
+        decode_call: grpc.aio.UnaryStreamCall | None = None
         prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None = None
-        first = True
+        is_first = True
         is_finished = False
         try:
-            decode_request = worker_pb2.DecodeRequest(
-                token=token_to_pb(token), prompt_token_ids=prompt,
-                sampling=pb.SamplingParams(max_tokens=request.max_tokens,
-                                           temperature=request.temperature, seed=request.seed,
-                                           ignore_eos=request.ignore_eos),
-                is_local_prefill=decision.is_local_prefill, num_blocks=decision.num_blocks,
-                kv_wait_timeout_ms=int(config.kv_wait_timeout_s * 1000), request_id=request_id,
-            )
             if prefill is not None:
-                try:
-                    destination = await self._workers.admit(
-                        decode.record.address, token, len(prompt), decision.num_blocks,
-                        config.lease_s, config.transport, config.rpc_timeout_s)
-                except PdserveError as exc:
-                    raise _Retry(exc, (decode.worker_id,)) from None
-                self.admission.dispatched(request_id, snapshot_of(prefill, len(prompt)),
-                                          self._clock())
-                prefill_task = asyncio.create_task(self._workers.prefill(
-                    prefill.record.address, token, prompt, destination, config.lease_s,
-                    request_id, config.request_timeout_s))
-                prefill_task.add_done_callback(lambda task: self._prefill_done(request_id, task))
+                prefill_task = await self._start_prefill(request_id, prompt, token, decision,
+                                                         decode, prefill)
             else:
                 self.admission.dispatched(request_id, snapshot_of(decode, len(prompt)),
                                           self._clock())
-            decode_call = self._workers.decode(decode.record.address, decode_request,
-                                               config.request_timeout_s)
+            decode_call = self._workers.decode(
+                decode.record.address, self._decode_request(request, request_id, decision, token),
+                self.config.request_timeout_s)
             stream = iterate_stream(decode_call)
             exposed_s = 0.0
             while True:
-                try:
-                    idle_s = config.stream_idle_timeout_s + (config.kv_wait_timeout_s
-                                                             if first else 0.0)
-                    message = await self._next_or_prefill_failure(stream, prefill_task, idle_s)
-                except PdserveError as exc:
-                    if first:
-                        failed = (decode.worker_id,) if prefill_task is None or not prefill_task.done() \
-                            or prefill_task.exception() is None else (prefill.worker_id,)  # type: ignore[union-attr]
-                        raise _Retry(exc, failed) from None
-                    raise
+                message = await self._next_decode_message(stream, prefill_task, is_first,
+                                                          decode, prefill)
                 if message is None:
                     return
                 if message.HasField("stats"):
                     exposed_s = message.stats.exposed_ms / 1000
-                if first and prefill_task is None:
+                if is_first and prefill_task is None:
                     self._prefill_done(request_id)  # local prefill: its first token is out
-                first = False
-                finish = _FINISH.get(message.finish_reason)
+                is_first = False
+                finish = PB_TO_FINISH_REASON.get(message.finish_reason)
                 is_finished = finish is not None
                 yield GenerationChunk(
                     token_ids=tuple(message.token_ids), finish_reason=finish,
                     prefill_worker_id=decision.prefill_worker_id,
                     decode_worker_id=decision.decode_worker_id,
                 ), exposed_s
-                if finish is not None:
+                if is_finished:
                     return
         except BaseException:
-            if is_finished:
-                # The caller closed this generator after the final chunk (GeneratorExit at the
-                # yield): the attempt succeeded. Aborting here would race the decode worker's
-                # best-effort DONE report and turn a finished ticket into ABORTED.
-                raise
-            # Failure or cancellation: free everything the ticket holds, on both sides.
-            self.admission.prefill_done(request_id, self._clock(), is_ok=False)
-            if prefill_task is not None and not prefill_task.done():
-                prefill_task.cancel()
-            if decode_call is not None:
-                decode_call.cancel()
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._tickets.abort(token, "router: attempt failed", config.rpc_timeout_s))
+            # After the final chunk the caller closes this generator (GeneratorExit at the
+            # yield): the attempt succeeded. Aborting then would race the decode worker's
+            # best-effort DONE report and turn a finished ticket into ABORTED.
+            if not is_finished:
+                await self._abandon(request_id, token, prefill_task, decode_call)
             raise
         finally:
-            self._pending_blocks[decode.worker_id] -= decision.num_blocks
-            self._pending_seqs[decode.worker_id] -= 1
+            self.in_flight.release_blocks(token.ticket_id)
             if prefill_task is not None:
                 if not prefill_task.done():
                     prefill_task.cancel()
                 with contextlib.suppress(BaseException):
                     await prefill_task
 
-    async def _next_or_prefill_failure(
-        self, stream: AsyncIterator[worker_pb2.DecodeResponse],
-        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
-        idle_timeout_s: float | None = None,
-    ) -> worker_pb2.DecodeResponse | None:
-        """The next decode message; if prefill fails first, its error (the decode side would
-        only time out). ``DeadlineError`` if nothing comes within ``idle_timeout_s``."""
-        if idle_timeout_s is None:
-            return await self._next_message(stream, prefill_task)
+    async def _open_ticket(self, request: GenerationRequest, request_id: str,
+                           decision: RouteDecision) -> FencingToken:
+        """The ticket that reserves ``decision.num_blocks`` on the decode worker."""
+        config = self.config
         try:
-            return await asyncio.wait_for(self._next_message(stream, prefill_task),
-                                          idle_timeout_s)
-        except TimeoutError:
-            raise DeadlineError(f"no decode message within {idle_timeout_s:.1f}s") from None
+            return await self._tickets.open(TicketSpec(
+                deployment=request.model, decode_worker_id=decision.decode_worker_id,
+                prefill_worker_id=decision.prefill_worker_id, num_blocks=decision.num_blocks,
+                lease_s=config.lease_s, request_id=request_id,
+                num_prompt_tokens=len(request.prompt_token_ids),
+            ), config.rpc_timeout_s)
+        except CapacityError as exc:
+            raise _Retry(exc, (decision.decode_worker_id,)) from None
+        except UnavailableError as exc:
+            # The coordinator (or its store) could not take the ticket, the worker is draining,
+            # or the store no longer knows it (a restart, until its next heartbeat): try other
+            # workers after a short wait; all of them again if every one failed so.
+            raise _Retry(exc, (decision.decode_worker_id,), is_backoff=True) from None
 
-    async def _next_message(
-        self, stream: AsyncIterator[worker_pb2.DecodeResponse],
-        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
-    ) -> worker_pb2.DecodeResponse | None:
-        next_message = asyncio.ensure_future(anext(stream, None))
+    async def _start_prefill(
+        self, request_id: str, prompt: list[int], token: FencingToken, decision: RouteDecision,
+        decode: WorkerView, prefill: WorkerView,
+    ) -> asyncio.Task[worker_pb2.PrefillResponse]:
+        """The decode worker admits the ticket (and says where the KV goes), then the prefill
+        is sent; its end, however it ends, is admission's ``prefill_done``."""
+        config = self.config
         try:
-            return await self._first_of(next_message, prefill_task)
-        except asyncio.CancelledError:
-            next_message.cancel()  # timed out or cancelled: do not leave the read behind
-            raise
+            destination = await self._workers.admit(
+                decode.record.address, token, len(prompt), decision.num_blocks, config.lease_s,
+                config.transport, config.rpc_timeout_s)
+        except PdserveError as exc:
+            raise _Retry(exc, (decode.worker_id,)) from None
+        self.admission.dispatched(request_id, snapshot_of(prefill, len(prompt)), self._clock())
+        task = asyncio.create_task(self._workers.prefill(
+            prefill.record.address, token, prompt, destination, config.lease_s, request_id,
+            config.request_timeout_s))
+        task.add_done_callback(lambda done: self._prefill_done(request_id, done))
+        return task
 
-    async def _first_of(
-        self, next_message: asyncio.Future[worker_pb2.DecodeResponse | None],
-        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
+    def _decode_request(self, request: GenerationRequest, request_id: str,
+                        decision: RouteDecision, token: FencingToken) -> worker_pb2.DecodeRequest:
+        return worker_pb2.DecodeRequest(
+            token=token_to_pb(token), prompt_token_ids=request.prompt_token_ids,
+            sampling=pb.SamplingParams(max_tokens=request.max_tokens,
+                                       temperature=request.temperature, seed=request.seed,
+                                       ignore_eos=request.ignore_eos),
+            is_local_prefill=decision.is_local_prefill, num_blocks=decision.num_blocks,
+            kv_wait_timeout_ms=int(self.config.kv_wait_timeout_s * 1000), request_id=request_id,
+        )
+
+    async def _next_decode_message(
+        self, stream: AsyncIterator[worker_pb2.DecodeResponse],
+        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None, is_first: bool,
+        decode: WorkerView, prefill: WorkerView | None,
     ) -> worker_pb2.DecodeResponse | None:
-        if prefill_task is None or prefill_task.done():
-            if prefill_task is not None and prefill_task.exception() is not None:
-                next_message.cancel()
-                raise prefill_task.exception()  # type: ignore[misc]
-            return await next_message
-        done, _ = await asyncio.wait({next_message, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-        if next_message in done:
-            return next_message.result()
-        error = prefill_task.exception()
-        if error is None:
-            return await next_message
-        next_message.cancel()
-        with contextlib.suppress(BaseException):
-            await next_message
-        raise error
+        """The next decode message, None at the end of the stream. Before the first one, a
+        failure is a ``_Retry`` away from the worker that failed (prefill's, if its call did)."""
+        config = self.config
+        idle_s = config.stream_idle_timeout_s + (config.kv_wait_timeout_s if is_first else 0.0)
+        try:
+            return await _next_or_prefill_failure(stream, prefill_task, idle_s)
+        except PdserveError as exc:
+            if not is_first:
+                raise
+            is_prefill_failed = (prefill_task is not None and prefill_task.done()
+                                 and prefill_task.exception() is not None)
+            failed = prefill if is_prefill_failed and prefill is not None else decode
+            raise _Retry(exc, (failed.worker_id,)) from None
+
+    def _prefill_done(self, request_id: str, task: asyncio.Task[Any] | None = None) -> None:
+        is_ok = task is None or (not task.cancelled() and task.exception() is None)
+        self.admission.prefill_done(request_id, self._clock(), is_ok=is_ok)
+
+    async def _abandon(self, request_id: str, token: FencingToken,
+                       prefill_task: asyncio.Task[Any] | None,
+                       decode_call: grpc.aio.UnaryStreamCall | None) -> None:
+        """A failed or cancelled attempt: free everything the ticket holds, on both sides."""
+        self.admission.prefill_done(request_id, self._clock(), is_ok=False)
+        if prefill_task is not None and not prefill_task.done():
+            prefill_task.cancel()
+        if decode_call is not None:
+            decode_call.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._tickets.abort(token, "router: attempt failed",
+                                                     self.config.rpc_timeout_s))
 
     # -- outcomes -----------------------------------------------------------------------------
 
     def _final(self, request: GenerationRequest, num_output: int, started: float,
                first_token_at: float | None, reason: FinishReason, attempts: int,
                is_local: bool, chunk: GenerationChunk | None = None) -> GenerationChunk:
-        now = time.perf_counter()
-        ttft_s = (first_token_at or now) - started
-        tpot_s = (now - (first_token_at or now)) / max(1, num_output - 1)
+        ttft_s, tpot_s = _latencies_s(started, first_token_at, num_output)
         return GenerationChunk(
             token_ids=chunk.token_ids if chunk else (),
             finish_reason=reason,
@@ -516,9 +509,7 @@ class Router:
                 error: str, exposed_s: float) -> None:
         if self._outcome_sink is None:
             return
-        now = time.perf_counter()
-        ttft_s = (first_token_at - started) if first_token_at else now - started
-        tpot_s = (now - first_token_at) / max(1, num_output - 1) if first_token_at else 0.0
+        ttft_s, tpot_s = _latencies_s(started, first_token_at, num_output)
         with contextlib.suppress(Exception):
             self._outcome_sink.record(RequestOutcome(
                 request_id=request_id, deployment=request.model, ttft_s=ttft_s, tpot_s=tpot_s,
@@ -528,10 +519,62 @@ class Router:
             ))
 
 
-_FINISH = {
-    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    pb.FINISH_REASON_STOP: FinishReason.STOP,
-    pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
-    pb.FINISH_REASON_ERROR: FinishReason.ERROR,
-}
+def _latencies_s(started: float, first_token_at: float | None,
+                 num_output: int) -> tuple[float, float]:
+    """TTFT and mean TPOT until now (``time.perf_counter`` readings); with no token yet, TTFT is
+    the time so far and TPOT 0."""
+    now = time.perf_counter()
+    if not first_token_at:
+        return now - started, 0.0
+    return first_token_at - started, (now - first_token_at) / max(1, num_output - 1)
 
+
+# -- reading a decode stream while its prefill runs ---------------------------------------------
+
+
+async def _next_or_prefill_failure(
+    stream: AsyncIterator[worker_pb2.DecodeResponse],
+    prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
+    idle_timeout_s: float,
+) -> worker_pb2.DecodeResponse | None:
+    """The next decode message; if prefill fails first, its error (the decode side would only
+    time out). ``DeadlineError`` if nothing comes within ``idle_timeout_s``."""
+    try:
+        return await asyncio.wait_for(_next_message(stream, prefill_task), idle_timeout_s)
+    except TimeoutError:
+        raise DeadlineError(f"no decode message within {idle_timeout_s:.1f}s") from None
+
+
+async def _next_message(
+    stream: AsyncIterator[worker_pb2.DecodeResponse],
+    prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
+) -> worker_pb2.DecodeResponse | None:
+    next_message = asyncio.ensure_future(anext(stream, None))
+    try:
+        return await _first_of(next_message, prefill_task)
+    except asyncio.CancelledError:
+        next_message.cancel()  # timed out or cancelled: do not leave the read behind
+        raise
+
+
+async def _first_of(
+    next_message: asyncio.Future[worker_pb2.DecodeResponse | None],
+    prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
+) -> worker_pb2.DecodeResponse | None:
+    if prefill_task is None or prefill_task.done():
+        error = prefill_task.exception() if prefill_task is not None else None
+        if error is not None:
+            next_message.cancel()
+            raise error
+        return await next_message
+    waited: set[asyncio.Future[Any]] = {next_message, prefill_task}
+    done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+    if next_message in done:
+        return next_message.result()
+    error = prefill_task.exception()
+    if error is None:
+        return await next_message
+    next_message.cancel()
+    with contextlib.suppress(BaseException):
+        await next_message
+    raise error

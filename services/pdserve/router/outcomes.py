@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -19,14 +21,17 @@ import numpy as np
 
 from pdserve.common.metrics import counter, gauge, histogram
 from pdserve.db.records import MissReason, RequestWindowRecord
-from pdserve.router.core import RequestOutcome
+from pdserve.router.types import RequestOutcome
 
 logger = logging.getLogger(__name__)
 
 TTFT = histogram("router", "time_to_first_token", "seconds", "Time to first token.", ["model"])
-TPOT = histogram("router", "time_per_output_token", "seconds", "Mean time per output token after the first.", ["model"])
-OUTCOMES = counter("router", "finished", "requests", "Finished requests by outcome.", ["model", "outcome"])
-GOODPUT = gauge("router", "goodput", "requests", "Requests per second meeting both SLOs over the last window.", ["model"])
+TPOT = histogram("router", "time_per_output_token", "seconds",
+                 "Mean time per output token after the first.", ["model"])
+OUTCOMES = counter("router", "finished", "requests", "Finished requests by outcome.",
+                   ["model", "outcome"])
+GOODPUT = gauge("router", "goodput", "requests",
+                "Requests per second meeting both SLOs over the last window.", ["model"])
 IN_FLIGHT = gauge("router", "in_flight", "requests", "Requests in flight on this router.")
 
 
@@ -60,10 +65,9 @@ def miss_reason(outcome: RequestOutcome, slo_ttft_s: float) -> MissReason:
 
 class OutcomeAggregator:
     def __init__(self, slo_ttft_ms: float, slo_tpot_ms: float, window_s: float,
-                 clock: callable = None, writer: WindowWriter | None = None,  # type: ignore[valid-type]
+                 clock: Callable[[], float] | None = None, writer: WindowWriter | None = None,
                  max_pending_windows: int = 1000, source: str = "") -> None:
-        import time
-
+        """``clock``: wall-clock seconds (windows are aligned to it); ``time.time`` by default."""
         self._source = source
         self._slo_ttft_s = slo_ttft_ms / 1000
         self._slo_tpot_s = slo_tpot_ms / 1000

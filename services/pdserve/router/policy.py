@@ -78,7 +78,8 @@ class RouteDecision:
         return not self.prefill_worker_id
 
 
-def num_blocks_to_reserve(request: RouteRequest, block_size_tokens: int, config: RoutingConfig) -> int:
+def num_blocks_to_reserve(request: RouteRequest, block_size_tokens: int,
+                          config: RoutingConfig) -> int:
     growth = request.max_tokens if config.growth_policy_max_tokens else min(
         request.max_tokens, config.expected_output_tokens
     )
@@ -122,7 +123,8 @@ def choose_decode(
                 "request needs more KV memory than any decode worker has",
                 retry_after_s=config.retry_after_s,
             )
-        raise CapacityError("no decode worker has free KV blocks", retry_after_s=config.retry_after_s)
+        raise CapacityError("no decode worker has free KV blocks",
+                            retry_after_s=config.retry_after_s)
     return chosen
 
 

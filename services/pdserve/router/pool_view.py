@@ -126,7 +126,8 @@ class PoolFollower:
         while True:
             try:
                 if not cursor:
-                    snapshot = await self._backend.events.snapshot(deployment, self._backend.workers)
+                    snapshot = await self._backend.events.snapshot(deployment,
+                                                                   self._backend.workers)
                     self._view.replace(deployment, list(snapshot.workers))
                     cursor = snapshot.cursor
                     self._synced[deployment].set()

@@ -11,7 +11,12 @@ from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.common.auth import current_tenant
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.tokenizer import Tokenizer
-from pdserve.router.types import FinishReason, GenerationBackend, GenerationRequest, PrefillMode
+from pdserve.router.types import (
+    FINISH_REASON_TO_PB,
+    GenerationBackend,
+    GenerationRequest,
+    PrefillMode,
+)
 
 SERVICE_NAME = "pdserve.api.v1.RouterService"
 
@@ -19,12 +24,6 @@ _MODE = {
     pb.PREFILL_MODE_UNSPECIFIED: PrefillMode.AUTO,
     pb.PREFILL_MODE_REMOTE: PrefillMode.REMOTE,
     pb.PREFILL_MODE_LOCAL: PrefillMode.LOCAL,
-}
-_FINISH = {
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
-    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 
 
@@ -55,7 +54,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             stop=tuple(sampling.stop), prefill_mode=_MODE[request.prefill_mode], tenant=tenant,
         )
 
-    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         generation = self._request(request, tenant=current_tenant())
         request_id = generation.request_id
         async for chunk in self._backend.generate(generation):
@@ -63,7 +64,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if request.include_text and chunk.token_ids:
                 message.text = self._tokenizer.decode(list(chunk.token_ids))
             if chunk.finish_reason is not None:
-                message.finish_reason = _FINISH[chunk.finish_reason]
+                message.finish_reason = FINISH_REASON_TO_PB[chunk.finish_reason]
                 message.prefill_worker_id = chunk.prefill_worker_id
                 message.decode_worker_id = chunk.decode_worker_id
             if chunk.usage is not None:
@@ -78,12 +79,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     num_attempts=chunk.timing.num_attempts))
             yield message
 
-    async def Cancel(self, request: router_pb2.CancelRequest, context: grpc.aio.ServicerContext) -> router_pb2.CancelResponse:
+    async def Cancel(
+        self, request: router_pb2.CancelRequest, context: grpc.aio.ServicerContext,
+    ) -> router_pb2.CancelResponse:
         if not request.request_id:
             raise InvalidArgumentError("request_id: required", field="request_id")
         return router_pb2.CancelResponse(is_found=await self._backend.cancel(request.request_id))
 
-    async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
+    async def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext,
+    ) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(models=[
             router_pb2.ModelInfo(name=card.name, max_context_tokens=card.max_context_tokens,
                                  num_prefill_workers=card.num_prefill_workers,

@@ -1,11 +1,14 @@
-"""Types the router's front ends (gRPC Generate, OpenAI HTTP) share with its core."""
+"""Types the router's parts share: its front ends (gRPC Generate, OpenAI HTTP) with its core, and
+the core with the sink of its request outcomes."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from pdserve.api.v1 import common_pb2 as pb
 
 
 class FinishReason(enum.StrEnum):
@@ -13,6 +16,18 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     CANCELLED = "cancelled"
     ERROR = "error"
+
+
+PB_TO_FINISH_REASON: Mapping[pb.FinishReason, FinishReason] = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+    pb.FINISH_REASON_ERROR: FinishReason.ERROR,
+}
+"""Finish reasons on the wire (decode workers report them, ``Generate`` answers with them);
+``FINISH_REASON_UNSPECIFIED`` is absent: not finished yet."""
+FINISH_REASON_TO_PB: Mapping[FinishReason, pb.FinishReason] = {
+    reason: value for value, reason in PB_TO_FINISH_REASON.items()}
 
 
 class PrefillMode(enum.StrEnum):
@@ -78,6 +93,30 @@ class ModelCard:
     num_decode_workers: int = 0
     created_unix_s: int = 0
     tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """One finished request, for metrics and the per-window durable aggregate."""
+
+    request_id: str
+    deployment: str
+    ttft_s: float
+    tpot_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    is_ok: bool
+    is_local_prefill: bool
+    num_attempts: int
+    error_code: str = ""
+    exposed_transfer_s: float = 0.0
+    queue_s: float = 0.0
+
+
+class OutcomeSink(Protocol):
+    """Where the core reports each finished request (``router.outcomes.OutcomeAggregator``)."""
+
+    def record(self, outcome: RequestOutcome) -> None: ...
 
 
 class GenerationBackend(Protocol):
