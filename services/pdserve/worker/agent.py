@@ -43,7 +43,8 @@ from pdserve.common.tokenizer import prefix_block_hashes
 from pdserve.common.types import FencingToken, TicketState, WorkerLoad, WorkerRole, WorkerState
 from pdserve.worker.engine import BlockAllocator, Engine, Sequence
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports.base import KvDestinationSpec, KvReceiver
+from pdserve.worker.transports.base import KvReceiver
+from pdserve.worker.transports.values import KvDestinationSpec
 from pdserve.worker.transports.registry import TransportBackend
 
 logger = logging.getLogger(__name__)

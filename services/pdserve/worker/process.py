@@ -75,7 +75,8 @@ def kv_backend(settings: WorkerSettings) -> TransportBackend:
         raise ConfigError(f"PDSERVE_KV_TLS: only the tcp transport has TLS, not "
                           f"{settings.transport!r} (run it in clear on a trusted fabric)",
                           field="kv_tls")
-    from pdserve.worker.transports.tcp import KvTls, TcpBackend, TcpTransportSettings
+    from pdserve.worker.transports.tcp.backend import TcpBackend
+    from pdserve.worker.transports.tcp.settings import KvTls, TcpTransportSettings
 
     assert settings.tls_cert_path and settings.tls_key_path and settings.tls_ca_path  # check()
     tls = KvTls(settings.tls_cert_path, settings.tls_key_path, settings.tls_ca_path)

@@ -11,7 +11,7 @@ from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_from_pb, token_to_pb
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.worker.agent import TransferTiming, WorkerAgent
-from pdserve.worker.transports.base import KvDestinationSpec
+from pdserve.worker.transports.values import KvDestinationSpec
 
 SERVICE_NAME = "pdserve.api.v1.WorkerAgentService"
 
