@@ -20,9 +20,12 @@ from pdserve.common.types import (
     WorkerState,
 )
 
-_ROLE_TO_PB = {WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL, WorkerRole.DECODE: pb.WORKER_ROLE_DECODE}
-_ROLE_FROM_PB = {value: key for key, value in _ROLE_TO_PB.items()}
-_STATE_TO_PB = {
+_ROLE_TO_PB: dict[WorkerRole, pb.WorkerRole] = {
+    WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: pb.WORKER_ROLE_DECODE,
+}
+_ROLE_FROM_PB: dict[int, WorkerRole] = {value: key for key, value in _ROLE_TO_PB.items()}
+_STATE_TO_PB: dict[WorkerState, pb.WorkerState] = {
     WorkerState.REGISTERING: pb.WORKER_STATE_REGISTERING,
     WorkerState.LOADING: pb.WORKER_STATE_LOADING,
     WorkerState.READY: pb.WORKER_STATE_READY,
@@ -30,8 +33,8 @@ _STATE_TO_PB = {
     WorkerState.DRAINED: pb.WORKER_STATE_DRAINED,
     WorkerState.FAILED: pb.WORKER_STATE_FAILED,
 }
-_STATE_FROM_PB = {value: key for key, value in _STATE_TO_PB.items()}
-_TICKET_TO_PB = {
+_STATE_FROM_PB: dict[int, WorkerState] = {value: key for key, value in _STATE_TO_PB.items()}
+_TICKET_TO_PB: dict[TicketState, pb.TicketState] = {
     TicketState.OPEN: pb.TICKET_STATE_OPEN,
     TicketState.PREFILLING: pb.TICKET_STATE_PREFILLING,
     TicketState.TRANSFERRING: pb.TICKET_STATE_TRANSFERRING,
@@ -39,14 +42,16 @@ _TICKET_TO_PB = {
     TicketState.ABORTED: pb.TICKET_STATE_ABORTED,
     TicketState.EXPIRED: pb.TICKET_STATE_EXPIRED,
 }
-_TICKET_FROM_PB = {value: key for key, value in _TICKET_TO_PB.items()}
+_TICKET_FROM_PB: dict[int, TicketState] = {value: key for key, value in _TICKET_TO_PB.items()}
 
 
-def role_to_pb(role: WorkerRole) -> int:
+def role_to_pb(role: WorkerRole) -> pb.WorkerRole:
     return _ROLE_TO_PB[role]
 
 
-def role_from_pb(value: int, *, field: str = "role", allow_unspecified: bool = False) -> WorkerRole | None:
+def role_from_pb(
+    value: int, *, field: str = "role", allow_unspecified: bool = False
+) -> WorkerRole | None:
     if value == pb.WORKER_ROLE_UNSPECIFIED and allow_unspecified:
         return None
     try:
@@ -55,7 +60,7 @@ def role_from_pb(value: int, *, field: str = "role", allow_unspecified: bool = F
         raise InvalidArgumentError(f"{field}: expected PREFILL or DECODE", field=field) from None
 
 
-def worker_state_to_pb(state: WorkerState) -> int:
+def worker_state_to_pb(state: WorkerState) -> pb.WorkerState:
     return _STATE_TO_PB[state]
 
 
@@ -66,11 +71,13 @@ def worker_state_from_pb(value: int, *, field: str = "state") -> WorkerState:
         raise InvalidArgumentError(f"{field}: unknown worker state {value}", field=field) from None
 
 
-def ticket_state_to_pb(state: TicketState) -> int:
+def ticket_state_to_pb(state: TicketState) -> pb.TicketState:
     return _TICKET_TO_PB[state]
 
 
-def ticket_state_from_pb(value: int, *, field: str = "state", allow_unspecified: bool = False) -> TicketState | None:
+def ticket_state_from_pb(
+    value: int, *, field: str = "state", allow_unspecified: bool = False
+) -> TicketState | None:
     if value == pb.TICKET_STATE_UNSPECIFIED and allow_unspecified:
         return None
     try:
