@@ -174,12 +174,13 @@ class TinyDecode:
     """A decode ``WorkerAgent`` over the default tiny model, for the exposed-time table."""
 
     def __init__(self, transport: str) -> None:
-        from pdserve.worker.agent import AgentConfig, WorkerAgent
+        from pdserve.worker.agent import AgentConfig
         from pdserve.worker.engines.tiny import TinyEngine
+        from pdserve.worker.scheduler.agents import create_agent
 
-        self.agent = WorkerAgent(AgentConfig("bench-decode", "tiny", WorkerRole.DECODE,
-                                             transport=transport),
-                                 TinyEngine(), registry.get_backend(transport))
+        self.agent = create_agent(AgentConfig("bench-decode", "tiny", WorkerRole.DECODE,
+                                              transport=transport),
+                                  TinyEngine(), registry.get_backend(transport))
         self.streams: dict[str, asyncio.Task[list[int]]] = {}
 
     async def start(self) -> None:
@@ -428,16 +429,17 @@ def _variants(rig: SenderRig, has_nixl: bool) -> dict[str, Any]:
 
 async def exposed_table(peer: Peer, lengths: list[int], transports: list[str]
                         ) -> list[dict[str, Any]]:
-    from pdserve.worker.agent import AgentConfig, WorkerAgent
+    from pdserve.worker.agent import AgentConfig
     from pdserve.worker.engines.tiny import TinyEngine
+    from pdserve.worker.scheduler.agents import create_agent
 
     rows = []
     rng = np.random.default_rng(0)
     for transport in transports:
         await peer.acall("tiny_start", transport=transport)
-        prefill = WorkerAgent(AgentConfig("bench-prefill", "tiny", WorkerRole.PREFILL,
-                                          transport=transport),
-                              TinyEngine(), registry.get_backend(transport))
+        prefill = create_agent(AgentConfig("bench-prefill", "tiny", WorkerRole.PREFILL,
+                                           transport=transport),
+                               TinyEngine(), registry.get_backend(transport))
         await prefill.start()
         prefill.state = WorkerState.READY
         layout = prefill.engine.layout
