@@ -17,46 +17,40 @@ from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.prefill_agent import PrefillAgent
 from pdserve.worker.reports import ControlPlane
 from pdserve.worker.scheduler.decode import DecodeScheduler
+from pdserve.worker.scheduler.engine_thread import EngineScheduler
 from pdserve.worker.scheduler.prefill import PrefillScheduler
 from pdserve.worker.transports.registry import TransportBackend
 
 
-class ScheduledPrefillAgent(PrefillAgent):
+class _SchedulerParts:
+    """The in-house runtime's engine and block allocator, in reach from its agent."""
+
+    runtime: EngineScheduler
+
+    @property
+    def engine(self) -> Engine:
+        return self.runtime.engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        """Replace the engine from the next prompt or step on (same KV layout and cache)."""
+        self.runtime.engine = engine
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.runtime.allocator
+
+
+class ScheduledPrefillAgent(_SchedulerParts, PrefillAgent):
     """A ``PrefillAgent`` over the in-house ``PrefillScheduler``."""
 
     runtime: PrefillScheduler
 
-    @property
-    def engine(self) -> Engine:
-        return self.runtime.engine
 
-    @engine.setter
-    def engine(self, engine: Engine) -> None:
-        """Replace the engine from the next prompt on (same KV layout)."""
-        self.runtime.engine = engine
-
-    @property
-    def allocator(self) -> BlockAllocator:
-        return self.runtime.allocator
-
-
-class ScheduledDecodeAgent(DecodeAgent):
+class ScheduledDecodeAgent(_SchedulerParts, DecodeAgent):
     """A ``DecodeAgent`` over the in-house ``DecodeScheduler``."""
 
     runtime: DecodeScheduler
-
-    @property
-    def engine(self) -> Engine:
-        return self.runtime.engine
-
-    @engine.setter
-    def engine(self, engine: Engine) -> None:
-        """Replace the engine from the next step on (same KV layout and cache)."""
-        self.runtime.engine = engine
-
-    @property
-    def allocator(self) -> BlockAllocator:
-        return self.runtime.allocator
 
     @property
     def owners(self) -> BlockOwnerTable:

@@ -25,6 +25,7 @@ test suite covers them all. Everything here lives on one event loop; nothing is 
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -251,6 +252,18 @@ class KvSender(abc.ABC):
             f"transfer of {self._token} failed: {self._failure_reason}",
             reason=self._failure_reason,
         )
+
+    async def _await_reply(self, reply: asyncio.Future[str | None], timeout_s: float) -> None:
+        """Wait for the receiver's answer to a frame (None: accepted, else why not); a refusal,
+        a broken link or no answer within ``timeout_s`` fails the transfer and raises."""
+        try:
+            error = await asyncio.wait_for(asyncio.shield(reply), timeout_s)
+        except TimeoutError:
+            self._fail(f"no reply from the receiver within {timeout_s} s")
+            self._raise_failed()
+        if error is not None:
+            self._fail(error)
+            self._raise_failed()
 
     def _succeeded(self, first_token_id: int, prefill_compute_s: float) -> TransferResult:
         self._state = TransferPoll.SUCCESS

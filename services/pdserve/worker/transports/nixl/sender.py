@@ -95,7 +95,7 @@ class NixlKvSender(KvSender):
                       layout.num_blocks, self._dst_ids, local.base_addresses, local.name,
                       local.metadata)
         await self._send(encode_message(Kind.HELLO, token, hello.encode()))
-        await self._await_reply(self._hello_reply)
+        await self._await_reply(self._hello_reply, self._settings.reply_timeout_s)
 
     async def offer_layer(
         self, layer: int, src_block_ids: Sequence[int], dst_block_ids: Sequence[int] | None = None
@@ -114,7 +114,7 @@ class NixlKvSender(KvSender):
         body = encode_done(first_token_id, prefill_compute_s, len(self._offered_layers))
         await self._send(encode_message(Kind.DONE, self._token, body))
         assert self._done_reply is not None
-        await self._await_reply(self._done_reply)
+        await self._await_reply(self._done_reply, self._settings.reply_timeout_s)
         return self._succeeded(first_token_id, prefill_compute_s)
 
     async def abort(self, reason: str) -> None:
@@ -149,16 +149,6 @@ class NixlKvSender(KvSender):
             await self._writer.drain()
         except (ConnectionError, OSError) as exc:
             self._fail(f"connection lost: {exc}")
-            self._raise_failed()
-
-    async def _await_reply(self, reply: asyncio.Future[str | None]) -> None:
-        try:
-            error = await asyncio.wait_for(asyncio.shield(reply), self._settings.reply_timeout_s)
-        except TimeoutError:
-            self._fail(f"no reply from the receiver within {self._settings.reply_timeout_s} s")
-            self._raise_failed()
-        if error is not None:
-            self._fail(error)
             self._raise_failed()
 
     @staticmethod

@@ -350,15 +350,7 @@ class TcpKvSender(KvSender):
         done = DonePayload(first_token_id, prefill_compute_s, len(self._offered_layers))
         await self._send([encode_frame(FrameType.DONE, self._token, payload=done.encode())])
         assert self._done_reply is not None
-        try:
-            error = await asyncio.wait_for(asyncio.shield(self._done_reply),
-                                           self._settings.reply_timeout_s)
-        except TimeoutError:
-            self._fail(f"no reply from the receiver within {self._settings.reply_timeout_s} s")
-            self._raise_failed()
-        if error is not None:
-            self._fail(error)
-            self._raise_failed()
+        await self._await_reply(self._done_reply, self._settings.reply_timeout_s)
         return self._succeeded(first_token_id, prefill_compute_s)
 
     async def abort(self, reason: str) -> None:

@@ -214,6 +214,15 @@ class SocketIo:
         finally:
             self._writer = None
 
+    async def _read_some(self, view: memoryview, wake_nbytes: int = 1) -> int:
+        """Read what is there into ``view`` (waiting for at least one byte, woken once about
+        ``wake_nbytes`` can be read); 0 when the peer has closed."""
+        while True:
+            try:
+                return self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                await self._wait_readable(wake_nbytes)
+
     async def recv_exact(self, num_bytes: int, *, is_eof_ok: bool = False) -> bytearray | None:
         """Exactly ``num_bytes`` (never more). None if the peer closed before the first byte and
         ``is_eof_ok``; ``ConnectionResetError`` if it closed in the middle."""
@@ -221,11 +230,7 @@ class SocketIo:
         view = memoryview(buffer)
         got = 0
         while got < num_bytes:
-            try:
-                n = self.sock.recv_into(view[got:])
-            except (BlockingIOError, InterruptedError):
-                await self._wait_readable(1)
-                continue
+            n = await self._read_some(view[got:])
             if n == 0:
                 if got == 0 and is_eof_ok:
                     return None
@@ -268,23 +273,14 @@ class SocketIo:
 
     async def discard(self, num_bytes: int) -> None:
         """Read and drop ``num_bytes`` (a refused payload) through a reused scratch buffer."""
-        scratch = self._scratch_for(num_bytes)
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(min(_SCRATCH_NBYTES, max(num_bytes, 1))))
         while num_bytes > 0:
-            chunk = scratch[: min(num_bytes, len(scratch))]
-            try:
-                n = self.sock.recv_into(chunk)
-            except (BlockingIOError, InterruptedError):
-                await self._wait_readable(len(chunk))
-                continue
+            chunk = self._scratch[: min(num_bytes, len(self._scratch))]
+            n = await self._read_some(chunk, len(chunk))
             if n == 0:
                 raise ConnectionResetError("peer closed in the middle of a refused frame")
             num_bytes -= n
-
-    def _scratch_for(self, num_bytes: int) -> memoryview:
-        """The reused buffer refused payloads are read into (allocated at the first refusal)."""
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(min(_SCRATCH_NBYTES, max(num_bytes, 1))))
-        return self._scratch
 
     async def handshake(self, timeout_s: float) -> None:
         """Nothing to do in clear (``TlsSocketIo`` runs the TLS handshake here)."""

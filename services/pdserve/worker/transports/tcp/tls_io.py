@@ -87,7 +87,7 @@ class TlsSocketIo(SocketIo):
             self._incoming.write(data)
             return True
 
-    async def _read_into(self, view: memoryview) -> int:
+    async def _read_some(self, view: memoryview, wake_nbytes: int = 1) -> int:
         """Decrypt up to ``len(view)`` bytes into ``view``; 0 when the peer has closed."""
         while True:
             try:
@@ -98,19 +98,6 @@ class TlsSocketIo(SocketIo):
                     return 0
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 return 0
-
-    async def recv_exact(self, num_bytes: int, *, is_eof_ok: bool = False) -> bytearray | None:
-        buffer = bytearray(num_bytes)
-        view = memoryview(buffer)
-        got = 0
-        while got < num_bytes:
-            n = await self._read_into(view[got:])
-            if n == 0:
-                if got == 0 and is_eof_ok:
-                    return None
-                raise ConnectionResetError(f"peer closed after {got} of {num_bytes} bytes")
-            got += n
-        return buffer
 
     async def recv_into_views(
         self, views: Sequence[memoryview], still_writable: Callable[[], bool]
@@ -144,14 +131,6 @@ class TlsSocketIo(SocketIo):
                     since_yield = 0
                     await asyncio.sleep(0)
         return True
-
-    async def discard(self, num_bytes: int) -> None:
-        scratch = self._scratch_for(num_bytes)
-        while num_bytes > 0:
-            n = await self._read_into(scratch[: min(num_bytes, len(scratch))])
-            if n == 0:
-                raise ConnectionResetError("peer closed in the middle of a refused frame")
-            num_bytes -= n
 
     _can_write_inline = False  # encrypting and flushing may wait: always the writer task's job
 
