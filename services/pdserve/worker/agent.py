@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
+    """One worker agent's settings (``worker.process`` builds it from the worker's settings)."""
+
     worker_id: str
     deployment: str
     role: WorkerRole
