@@ -57,7 +57,7 @@ from pdserve.common.types import FencingToken, WorkerRole, WorkerState
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports import registry
-from pdserve.worker.transports.base import KvDestinationSpec
+from pdserve.worker.transports.values import KvDestinationSpec
 
 MiB = 1024 * 1024
 NUM_LAYERS = 32
@@ -124,9 +124,9 @@ class ReceiverRig:
         info: dict[str, Any] = {"addresses": self.addresses,
                                 "raw_tcp_port": self.raw_listener.getsockname()[1]}
         if "nixl" in names:
-            from pdserve.worker.transports.nixl import _Agent
+            from pdserve.worker.transports.nixl.agent import NixlAgent
 
-            self.raw_nixl = _Agent(self.cache, "raw-recv")
+            self.raw_nixl = NixlAgent(self.cache, "raw-recv")
         return info
 
     def raw_tcp_receive(self, dst_ids: list[int]) -> None:
@@ -149,7 +149,7 @@ class ReceiverRig:
                       dst_ids: list[int]) -> None:
         """Bare NIXL: one READ per layer of the same descriptors our receiver builds, all posted
         at once, spinning on progress until every one is done."""
-        from pdserve.worker.transports.nixl import read_descriptors
+        from pdserve.worker.transports.nixl.agent import read_descriptors
 
         agent = self.raw_nixl
         if name not in self.raw_remote_names:
@@ -174,12 +174,13 @@ class TinyDecode:
     """A decode ``WorkerAgent`` over the default tiny model, for the exposed-time table."""
 
     def __init__(self, transport: str) -> None:
-        from pdserve.worker.agent import AgentConfig, WorkerAgent
+        from pdserve.worker.agent import AgentConfig
         from pdserve.worker.engines.tiny import TinyEngine
+        from pdserve.worker.scheduler.agents import create_agent
 
-        self.agent = WorkerAgent(AgentConfig("bench-decode", "tiny", WorkerRole.DECODE,
-                                             transport=transport),
-                                 TinyEngine(), registry.get_backend(transport))
+        self.agent = create_agent(AgentConfig("bench-decode", "tiny", WorkerRole.DECODE,
+                                              transport=transport),
+                                  TinyEngine(), registry.get_backend(transport))
         self.streams: dict[str, asyncio.Task[list[int]]] = {}
 
     async def start(self) -> None:
@@ -321,9 +322,9 @@ class SenderRig:
         """Compare destination with source after each transfer (warm-up only: it is slow)."""
         self.raw_nixl: Any = None
         if "nixl" in self.info["addresses"]:
-            from pdserve.worker.transports.nixl import _Agent
+            from pdserve.worker.transports.nixl.agent import NixlAgent
 
-            self.raw_nixl = _Agent(self.cache, "raw-send")
+            self.raw_nixl = NixlAgent(self.cache, "raw-send")
 
     def placement(self) -> tuple[list[int], list[int]]:
         """Random, distinct source and destination ids (mostly not consecutive)."""
@@ -428,16 +429,17 @@ def _variants(rig: SenderRig, has_nixl: bool) -> dict[str, Any]:
 
 async def exposed_table(peer: Peer, lengths: list[int], transports: list[str]
                         ) -> list[dict[str, Any]]:
-    from pdserve.worker.agent import AgentConfig, WorkerAgent
+    from pdserve.worker.agent import AgentConfig
     from pdserve.worker.engines.tiny import TinyEngine
+    from pdserve.worker.scheduler.agents import create_agent
 
     rows = []
     rng = np.random.default_rng(0)
     for transport in transports:
         await peer.acall("tiny_start", transport=transport)
-        prefill = WorkerAgent(AgentConfig("bench-prefill", "tiny", WorkerRole.PREFILL,
-                                          transport=transport),
-                              TinyEngine(), registry.get_backend(transport))
+        prefill = create_agent(AgentConfig("bench-prefill", "tiny", WorkerRole.PREFILL,
+                                           transport=transport),
+                               TinyEngine(), registry.get_backend(transport))
         await prefill.start()
         prefill.state = WorkerState.READY
         layout = prefill.engine.layout

@@ -35,8 +35,9 @@ from pdserve.common.certs import make_dev_certs
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports.base import KvDestinationSpec
-from pdserve.worker.transports.tcp import KvTls, TcpBackend, TcpTransportSettings
+from pdserve.worker.transports.tcp.backend import TcpBackend
+from pdserve.worker.transports.tcp.settings import KvTls, TcpTransportSettings
+from pdserve.worker.transports.values import KvDestinationSpec
 
 NUM_LAYERS = 32
 BLOCK_NBYTES = 64 * 1024

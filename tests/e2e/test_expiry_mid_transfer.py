@@ -31,7 +31,7 @@ import pytest
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.common.types import FencingToken, WorkerRole
 from pdserve.worker.engine import Sequence
-from pdserve.worker.transports.base import KvDestinationSpec, RejectReason, TransferFailedError
+from pdserve.worker.transports.values import KvDestinationSpec, RejectReason, TransferFailedError
 
 from .test_token_exact import (  # noqa: F401 - one_blas_thread is an autouse fixture
     KvLedger,

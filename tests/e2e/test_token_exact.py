@@ -55,7 +55,8 @@ from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.process import WorkerProcess
 from pdserve.worker.settings import WorkerSettings
 from pdserve.worker.transports import registry
-from pdserve.worker.transports.base import KvDestinationSpec, KvReceiver, KvSender, TransferResult
+from pdserve.worker.transports.base import KvReceiver, KvSender
+from pdserve.worker.transports.values import KvDestinationSpec, TransferResult
 
 pytestmark = pytest.mark.timeout(300)
 

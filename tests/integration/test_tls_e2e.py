@@ -316,8 +316,9 @@ async def _transfer(sender_cert: IssuedCert, sender_ca: Path, receiver_cert: Iss
     from pdserve.common.types import FencingToken
     from pdserve.worker.engine import KvCache, KvLayout
     from pdserve.worker.kv_owner import BlockOwnerTable
-    from pdserve.worker.transports.base import KvDestinationSpec, TransferFailedError
-    from pdserve.worker.transports.tcp import KvTls, TcpBackend, TcpTransportSettings
+    from pdserve.worker.transports.tcp.backend import TcpBackend
+    from pdserve.worker.transports.tcp.settings import KvTls, TcpTransportSettings
+    from pdserve.worker.transports.values import KvDestinationSpec, TransferFailedError
 
     layout = KvLayout(num_layers=2, num_blocks=8, block_size_tokens=16, block_nbytes=1024)
     source, destination = KvCache(layout), KvCache(layout)

@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 
 from pdserve.common.types import FencingToken, WorkerRole, WorkerState
-from pdserve.worker.agent import AgentConfig, WorkerAgent, _ReadyLayers, kv_checksum
+from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.engine import Sequence as EngineSequence
 from pdserve.worker.engines.sim import SimConfig, SimEngine
+from pdserve.worker.kv_checksums import kv_checksum
+from pdserve.worker.scheduler.agents import create_agent
+from pdserve.worker.scheduler.prefill import _ReadyLayers
 from pdserve.worker.transports.registry import get_backend
 
 SIM = SimConfig(speedup=1e4, max_num_blocks=256, num_kv_layers=6)
@@ -89,10 +92,10 @@ class _CountingBackend:
 
 async def _pair(backend: Any, prefill_engine: SimEngine | None = None
                 ) -> tuple[WorkerAgent, WorkerAgent]:
-    decode = WorkerAgent(AgentConfig("d1", "m", WorkerRole.DECODE, transport=backend.name),
-                         SimEngine(SIM), backend)
-    prefill = WorkerAgent(AgentConfig("p1", "m", WorkerRole.PREFILL, transport=backend.name),
-                          prefill_engine or SimEngine(SIM), backend)
+    decode = create_agent(AgentConfig("d1", "m", WorkerRole.DECODE, transport=backend.name),
+                          SimEngine(SIM), backend)
+    prefill = create_agent(AgentConfig("p1", "m", WorkerRole.PREFILL, transport=backend.name),
+                           prefill_engine or SimEngine(SIM), backend)
     await decode.start()
     await prefill.start()
     decode.state = prefill.state = WorkerState.READY

@@ -53,9 +53,10 @@ from pdserve.state.expert_loads import (
 )
 from pdserve.state.factory import open_backend
 from pdserve.state.prefix_index import MemoryPrefixIndex
-from pdserve.worker.agent import AgentConfig, WorkerAgent
+from pdserve.worker.agent import AgentConfig
 from pdserve.worker.engine import Sequence
 from pdserve.worker.engines.sim import SimConfig, SimEngine, expert_popularity
+from pdserve.worker.scheduler.agents import create_agent
 from pdserve.worker.transports.registry import get_backend
 
 DECODE = WorkerRole.DECODE
@@ -519,8 +520,8 @@ def test_sim_decode_step_is_slower_under_a_worse_placement() -> None:
 
 async def test_agent_validates_and_installs_placements_and_reports_counts() -> None:
     engine = SimEngine(MOE_SIM)
-    agent = WorkerAgent(AgentConfig("d1", "m", WorkerRole.DECODE, transport="inproc"), engine,
-                        get_backend("inproc"))
+    agent = create_agent(AgentConfig("d1", "m", WorkerRole.DECODE, transport="inproc"), engine,
+                         get_backend("inproc"))
     slot_map = plan_expert_placement(np.ones((NUM_LAYERS, NUM_EXPERTS)),
                                      PlacementTopology(10, 2, 1, 1, PlacementPolicy.GLOBAL))
     flat = slot_map.slot_to_expert.reshape(-1).tolist()

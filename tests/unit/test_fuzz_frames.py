@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports.base import KvDestinationSpec, KvReceiver
+from pdserve.worker.transports.addresses import parse_address
+from pdserve.worker.transports.base import KvReceiver
 from pdserve.worker.transports.frames import (
     HEADER_NBYTES,
     DonePayload,
@@ -43,7 +44,9 @@ from pdserve.worker.transports.frames import (
     encode_frame,
     layer_frame_prefix,
 )
-from pdserve.worker.transports.tcp import TcpBackend, TcpTransportSettings, parse_address
+from pdserve.worker.transports.tcp.backend import TcpBackend
+from pdserve.worker.transports.tcp.settings import TcpTransportSettings
+from pdserve.worker.transports.values import KvDestinationSpec
 
 T = TypeVar("T")
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_size_tokens=16, block_nbytes=64)
@@ -320,7 +323,7 @@ def test_unmutated_stream_lands(rig: Rig) -> None:
 def tls_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     pytest.importorskip("cryptography", reason="pdserve certs needs 'cryptography'")
     from pdserve.common.certs import make_dev_certs
-    from pdserve.worker.transports.tcp import KvTls
+    from pdserve.worker.transports.tcp.settings import KvTls
 
     directory = tmp_path_factory.mktemp("kv-tls")
     cert = make_dev_certs(directory, ["worker"])[0]

@@ -19,18 +19,22 @@ import pytest
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports import nixl, registry
-from pdserve.worker.transports.base import (
+from pdserve.worker.transports import registry
+from pdserve.worker.transports.addresses import parse_address
+from pdserve.worker.transports.nixl import control
+from pdserve.worker.transports.nixl.agent import NixlAgent, _paired_runs, load_nixl
+from pdserve.worker.transports.nixl.backend import NixlBackend
+from pdserve.worker.transports.nixl.receiver import NixlKvReceiver
+from pdserve.worker.transports.values import (
     KvDestinationSpec,
     RejectReason,
     TransferFailedError,
     TransferPoll,
 )
-from pdserve.worker.transports.tcp import parse_address
 
 LAYOUT = KvLayout(num_layers=3, num_blocks=32, block_size_tokens=16, block_nbytes=2048)
 IS_CI = os.environ.get("CI", "").lower() == "true"
-_, NIXL_MISSING = nixl.load_nixl()
+_, NIXL_MISSING = load_nixl()
 
 
 def test_nixl_is_available_in_ci() -> None:
@@ -46,12 +50,12 @@ def test_nixl_is_available_in_ci() -> None:
 
 def test_control_header_round_trip_and_strictness() -> None:
     token = FencingToken.new()
-    message = nixl.encode_message(nixl.Kind.LAYER, token, b"xyz")
-    kind, decoded, body_nbytes = nixl.decode_header(message[: nixl.HEADER_NBYTES], 100)
-    assert (kind, decoded, body_nbytes) == (nixl.Kind.LAYER, token, 3)
+    message = control.encode_message(control.Kind.LAYER, token, b"xyz")
+    kind, decoded, body_nbytes = control.decode_header(message[: control.HEADER_NBYTES], 100)
+    assert (kind, decoded, body_nbytes) == (control.Kind.LAYER, token, 3)
 
     def corrupt(offset: int, value: bytes) -> bytes:
-        return message[:offset] + value + message[offset + len(value) : nixl.HEADER_NBYTES]
+        return message[:offset] + value + message[offset + len(value) : control.HEADER_NBYTES]
 
     bad = {
         "magic": corrupt(0, b"PDKV"),
@@ -61,41 +65,42 @@ def test_control_header_round_trip_and_strictness() -> None:
         "attempt 0": corrupt(24, struct.pack("<I", 0)),
     }
     for what, header in bad.items():
-        with pytest.raises(nixl.ControlError):
-            nixl.decode_header(header, 100)
+        with pytest.raises(control.ControlError):
+            control.decode_header(header, 100)
             pytest.fail(f"accepted a header with a bad {what}")
-    with pytest.raises(nixl.ControlError, match="body"):
-        nixl.decode_header(message[: nixl.HEADER_NBYTES], 2)
-    no_ticket = nixl.encode_message(nixl.Kind.LAYER, None)
-    with pytest.raises(nixl.ControlError, match="without a ticket"):
-        nixl.decode_header(no_ticket, 100)
+    with pytest.raises(control.ControlError, match="body"):
+        control.decode_header(message[: control.HEADER_NBYTES], 2)
+    no_ticket = control.encode_message(control.Kind.LAYER, None)
+    with pytest.raises(control.ControlError, match="without a ticket"):
+        control.decode_header(no_ticket, 100)
 
 
 def test_hello_and_layer_bodies_round_trip_and_refuse_bad_counts() -> None:
-    hello = nixl.Hello(3, 16, 2048, 64, np.array([5, 1, 9]), np.array([10, 20, 30], np.uint64),
-                       "agent-x", b"meta")
-    decoded = nixl.Hello.decode(hello.encode(), max_blocks=32, max_layers=3)
+    hello = control.Hello(3, 16, 2048, 64, np.array([5, 1, 9]),
+                          np.array([10, 20, 30], np.uint64), "agent-x", b"meta")
+    decoded = control.Hello.decode(hello.encode(), max_blocks=32, max_layers=3)
     assert decoded.dst_block_ids.tolist() == [5, 1, 9]
     assert decoded.base_addresses.tolist() == [10, 20, 30]
-    assert (decoded.agent_name, decoded.metadata, decoded.src_num_blocks) == ("agent-x", b"meta", 64)
-    with pytest.raises(nixl.ControlError):
-        nixl.Hello.decode(hello.encode() + b"!", max_blocks=32, max_layers=3)
-    with pytest.raises(nixl.ControlError):
-        nixl.Hello.decode(hello.encode(), max_blocks=2, max_layers=3)
+    assert (decoded.agent_name, decoded.metadata,
+            decoded.src_num_blocks) == ("agent-x", b"meta", 64)
+    with pytest.raises(control.ControlError):
+        control.Hello.decode(hello.encode() + b"!", max_blocks=32, max_layers=3)
+    with pytest.raises(control.ControlError):
+        control.Hello.decode(hello.encode(), max_blocks=2, max_layers=3)
 
-    body = nixl.encode_layer(2, np.array([4, 5]), np.array([7, 8]))
-    layer, dst, src = nixl.decode_layer(body, max_blocks=32)
+    body = control.encode_layer(2, np.array([4, 5]), np.array([7, 8]))
+    layer, dst, src = control.decode_layer(body, max_blocks=32)
     assert (layer, dst.tolist(), src.tolist()) == (2, [4, 5], [7, 8])
-    with pytest.raises(nixl.ControlError):
-        nixl.decode_layer(body[:-1], max_blocks=32)
-    with pytest.raises(nixl.ControlError):
-        nixl.decode_layer(body, max_blocks=1)
+    with pytest.raises(control.ControlError):
+        control.decode_layer(body[:-1], max_blocks=32)
+    with pytest.raises(control.ControlError):
+        control.decode_layer(body, max_blocks=1)
 
 
 def test_paired_runs_merge_only_where_both_sides_are_consecutive() -> None:
     dst = np.array([4, 5, 6, 7, 9, 10])
     src = np.array([0, 1, 5, 6, 7, 8])
-    first_dst, first_src, counts = nixl._paired_runs(dst, src)
+    first_dst, first_src, counts = _paired_runs(dst, src)
     assert list(zip(first_dst.tolist(), first_src.tolist(), counts.tolist(), strict=True)) == [
         (4, 0, 2), (6, 5, 2), (9, 7, 2)]
 
@@ -115,35 +120,35 @@ class Peer:
     """A hand-driven sender: a real NIXL agent over cache A, control messages written by hand."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 agent: nixl._Agent) -> None:
+                 agent: NixlAgent) -> None:
         self.reader, self.writer, self.agent = reader, writer, agent
 
     @staticmethod
-    async def connect(address: str, agent: nixl._Agent) -> Peer:
+    async def connect(address: str, agent: NixlAgent) -> Peer:
         host, port = parse_address(address)
         return Peer(*await asyncio.open_connection(host, port), agent)
 
     def hello(self, token: FencingToken, dst: list[int], *, name: str | None = None,
               src_num_blocks: int = LAYOUT.num_blocks,
               base_addresses: np.ndarray | None = None) -> bytes:
-        body = nixl.Hello(LAYOUT.num_layers, LAYOUT.block_size_tokens, LAYOUT.block_nbytes,
+        body = control.Hello(LAYOUT.num_layers, LAYOUT.block_size_tokens, LAYOUT.block_nbytes,
                           src_num_blocks, np.array(dst),
                           self.agent.base_addresses if base_addresses is None else base_addresses,
                           name or self.agent.name, self.agent.metadata).encode()
-        return nixl.encode_message(nixl.Kind.HELLO, token, body)
+        return control.encode_message(control.Kind.HELLO, token, body)
 
     @staticmethod
     def layer(token: FencingToken, layer: int, dst: list[int], src: list[int]) -> bytes:
-        return nixl.encode_message(nixl.Kind.LAYER, token,
-                                   nixl.encode_layer(layer, np.array(dst), np.array(src)))
+        return control.encode_message(control.Kind.LAYER, token,
+                                   control.encode_layer(layer, np.array(dst), np.array(src)))
 
     async def send(self, data: bytes) -> None:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def reply(self) -> tuple[nixl.Kind, bytes]:
+    async def reply(self) -> tuple[control.Kind, bytes]:
         """The next reply, driving this agent's progress while waiting (as a sender must)."""
-        read = asyncio.ensure_future(nixl._read_message(self.reader, 1 << 16))
+        read = asyncio.ensure_future(control.read_message(self.reader, 1 << 16))
         while not read.done():
             self.agent.progress()
             await asyncio.sleep(0.001)
@@ -158,8 +163,8 @@ class Peer:
 
 
 class Rig:
-    def __init__(self, receiver: nixl.NixlKvReceiver, address: str, cache_b: KvCache,
-                 owners: BlockOwnerTable, agent: nixl._Agent, cache_a: KvCache) -> None:
+    def __init__(self, receiver: NixlKvReceiver, address: str, cache_b: KvCache,
+                 owners: BlockOwnerTable, agent: NixlAgent, cache_a: KvCache) -> None:
         self.receiver, self.address, self.cache_b, self.owners = receiver, address, cache_b, owners
         self.agent, self.cache_a = agent, cache_a
 
@@ -181,9 +186,9 @@ async def rig() -> AsyncIterator[Rig]:
         pytest.skip(NIXL_MISSING)
     cache_a, cache_b = _random_cache(1), _random_cache(2)
     owners = BlockOwnerTable(LAYOUT.num_blocks)
-    receiver = nixl.NixlBackend().create_receiver(cache_b, owners)
+    receiver = NixlBackend().create_receiver(cache_b, owners)
     address = await receiver.start("127.0.0.1", 0)
-    agent = nixl._Agent(cache_a, "test-peer")
+    agent = NixlAgent(cache_a, "test-peer")
     yield Rig(receiver, address, cache_b, owners, agent, cache_a)
     await receiver.close()
     agent.close()
@@ -200,7 +205,7 @@ async def test_layer_for_a_ticket_not_introduced_on_the_connection_fails_nothing
     peer = await Peer.connect(rig.address, rig.agent)
     await peer.send(peer.layer(victim, 0, [3, 4], [0, 1]))
     kind, body = await peer.reply()
-    assert kind is nixl.Kind.ERROR and RejectReason.PROTOCOL.value.encode() in body
+    assert kind is control.Kind.ERROR and RejectReason.PROTOCOL.value.encode() in body
     assert rig.receiver.poll(victim) is TransferPoll.WAITING  # the real sender is unaffected
     assert np.array_equal(rig.snapshot([3, 4]), before)
     await peer.close()
@@ -212,10 +217,10 @@ async def test_source_outside_the_senders_registered_memory_is_refused(rig: Rig)
     peer = await Peer.connect(rig.address, rig.agent)
     # The sender claims 64 blocks per layer; it registered 32. Block 40 is not its memory.
     await peer.send(peer.hello(token, [3, 4], src_num_blocks=64))
-    assert (await peer.reply())[0] is nixl.Kind.ACK
+    assert (await peer.reply())[0] is control.Kind.ACK
     await peer.send(peer.layer(token, 0, [3, 4], [40, 41]))
     kind, body = await peer.reply()
-    assert kind is nixl.Kind.ERROR and b"NIXL refused the READ" in body
+    assert kind is control.Kind.ERROR and b"NIXL refused the READ" in body
     assert np.array_equal(rig.snapshot([3, 4]), before)
     assert rig.receiver.poll(token) is TransferPoll.FAILED
     await peer.close()
@@ -226,7 +231,7 @@ async def test_hello_whose_metadata_names_another_agent_is_refused(rig: Rig) -> 
     peer = await Peer.connect(rig.address, rig.agent)
     await peer.send(peer.hello(token, [3, 4], name="someone-else"))
     kind, body = await peer.reply()
-    assert kind is nixl.Kind.ERROR and RejectReason.PROTOCOL.value.encode() in body
+    assert kind is control.Kind.ERROR and RejectReason.PROTOCOL.value.encode() in body
     assert rig.receiver.poll(token) is TransferPoll.FAILED
     await peer.close()
 
@@ -236,7 +241,7 @@ async def test_nothing_lands_after_cancel_returns_even_with_a_read_in_flight(rig
     token = rig.ticket(dst)
     peer = await Peer.connect(rig.address, rig.agent)
     await peer.send(peer.hello(token, dst))
-    assert (await peer.reply())[0] is nixl.Kind.ACK
+    assert (await peer.reply())[0] is control.Kind.ACK
     # The peer drives no progress from here on, so the first READ towards it cannot complete
     # (UCX needs the target to finish connecting): it is in flight when the lease lapses.
     await peer.send(peer.layer(token, 0, dst, src))
@@ -268,7 +273,7 @@ async def test_nothing_lands_after_cancel_returns_even_with_a_read_in_flight(rig
 async def test_sender_learns_of_a_cancel_before_finishing(rig: Rig) -> None:
     dst, src = [3, 4], [0, 1]
     token = rig.ticket(dst)
-    sender = nixl.NixlBackend().create_sender(rig.cache_a)
+    sender = NixlBackend().create_sender(rig.cache_a)
     await sender.open(KvDestinationSpec(rig.address, tuple(dst), "nixl", LAYOUT), token)
     await sender.offer_layer(0, src)
     rig.receiver.cancel(token, "lease expired")

@@ -24,13 +24,6 @@ import pytest
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports import tcp
-from pdserve.worker.transports.base import (
-    KvDestinationSpec,
-    RejectReason,
-    TransferFailedError,
-    TransferPoll,
-)
 from pdserve.worker.transports.frames import (
     FLAG_NO_ACK,
     HEADER_NBYTES,
@@ -43,7 +36,17 @@ from pdserve.worker.transports.frames import (
     encode_frame,
     layer_frame_prefix,
 )
-from pdserve.worker.transports.tcp import TcpBackend, TcpKvReceiver, TcpTransportSettings
+from pdserve.worker.transports.tcp import sender as tcp_sender
+from pdserve.worker.transports.tcp.backend import TcpBackend
+from pdserve.worker.transports.tcp.receiver import TcpKvReceiver
+from pdserve.worker.transports.tcp.settings import TcpTransportSettings
+from pdserve.worker.transports.tcp.socket_io import SocketIo
+from pdserve.worker.transports.values import (
+    KvDestinationSpec,
+    RejectReason,
+    TransferFailedError,
+    TransferPoll,
+)
 
 LAYOUT = KvLayout(num_layers=4, num_blocks=64, block_size_tokens=16, block_nbytes=4096)
 WAIT_S = 10.0
@@ -109,7 +112,7 @@ async def _rig(layout: KvLayout = LAYOUT, **settings: object) -> AsyncIterator[R
         yield rig
     finally:
         await rig.receiver.close()
-        tcp.close_sender_connections()
+        tcp_sender.close_sender_connections()
 
 
 class _Trickle:
@@ -303,7 +306,7 @@ async def test_a_sender_waiting_to_write_fails_when_the_connection_closes(closed
         if closed_by == "peer":
             peer.close()
         else:
-            tcp.close_sender_connections()
+            tcp_sender.close_sender_connections()
         with pytest.raises(TransferFailedError):
             await asyncio.wait_for(offer, WAIT_S)
         assert sender.poll() is TransferPoll.FAILED
@@ -311,13 +314,13 @@ async def test_a_sender_waiting_to_write_fails_when_the_connection_closes(closed
         await sender.close()
         peer.close()
         listener.close()
-        tcp.close_sender_connections()
+        tcp_sender.close_sender_connections()
 
 
 def test_closing_a_socket_fails_the_writes_queued_on_it() -> None:
     async def run() -> None:
         ours, theirs = socket.socketpair()
-        io = tcp._SocketIo(ours, TcpTransportSettings())
+        io = SocketIo(ours, TcpTransportSettings())
         chunk = bytes(1 << 20)
         while io.write([chunk]) is None:  # until the kernel's buffer is full
             pass
@@ -336,13 +339,13 @@ def test_closing_a_socket_fails_the_writes_queued_on_it() -> None:
 
 async def test_layers_ready_together_go_as_one_frame(monkeypatch: pytest.MonkeyPatch) -> None:
     sizes: list[int] = []
-    real_prefix = tcp.layer_frame_prefix
+    real_prefix = tcp_sender.layer_frame_prefix
 
     def recording_prefix(*args: object, **kwargs: object) -> bytes:
         sizes.append(int(args[4]) if len(args) > 4 else 1)  # type: ignore[call-overload]
         return real_prefix(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tcp, "layer_frame_prefix", recording_prefix)
+    monkeypatch.setattr(tcp_sender, "layer_frame_prefix", recording_prefix)
     async with _rig() as rig:
         src, dst = [0, 1, 2, 9], [40, 41, 7, 30]
         token = rig.ticket(dst)

@@ -24,15 +24,9 @@ from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.kv_owner import BlockOwnerTable, ForeignBlockError
 from pdserve.worker.transports import registry
-from pdserve.worker.transports.base import (
-    KvDestinationSpec,
-    KvReceiver,
-    KvSender,
-    RejectReason,
-    TransferFailedError,
-    TransferPoll,
-    coalesce_block_runs,
-)
+from pdserve.worker.transports.addresses import format_address, parse_address
+from pdserve.worker.transports.base import KvReceiver, KvSender
+from pdserve.worker.transports.block_views import coalesce_block_runs
 from pdserve.worker.transports.frames import (
     HEADER_NBYTES,
     ErrorPayload,
@@ -42,7 +36,12 @@ from pdserve.worker.transports.frames import (
     encode_frame,
     layer_frame_prefix,
 )
-from pdserve.worker.transports.tcp import format_address, parse_address
+from pdserve.worker.transports.values import (
+    KvDestinationSpec,
+    RejectReason,
+    TransferFailedError,
+    TransferPoll,
+)
 
 LAYOUT = KvLayout(num_layers=4, num_blocks=64, block_size_tokens=16, block_nbytes=4096)
 NUM_TICKET_BLOCKS = 12

@@ -12,6 +12,7 @@ from pdserve.common.errors import InvalidArgumentError, StaleTokenError
 from pdserve.common.types import FencingToken, WorkerRole, WorkerState
 from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.engines.sim import SimConfig, SimEngine
+from pdserve.worker.scheduler.agents import create_agent
 from pdserve.worker.transports.registry import get_backend
 
 SIM = SimConfig(speedup=1e4, max_num_blocks=256, num_kv_layers=4)
@@ -19,10 +20,10 @@ SIM = SimConfig(speedup=1e4, max_num_blocks=256, num_kv_layers=4)
 
 async def _pair(transport: str = "inproc") -> tuple[WorkerAgent, WorkerAgent]:
     backend = get_backend(transport)
-    decode = WorkerAgent(AgentConfig("d1", "m", WorkerRole.DECODE, transport=transport),
-                         SimEngine(SIM), backend)
-    prefill = WorkerAgent(AgentConfig("p1", "m", WorkerRole.PREFILL, transport=transport),
+    decode = create_agent(AgentConfig("d1", "m", WorkerRole.DECODE, transport=transport),
                           SimEngine(SIM), backend)
+    prefill = create_agent(AgentConfig("p1", "m", WorkerRole.PREFILL, transport=transport),
+                           SimEngine(SIM), backend)
     await decode.start()
     await prefill.start()
     decode.state = prefill.state = WorkerState.READY
@@ -43,7 +44,8 @@ async def test_disaggregated_equals_local_and_frees_every_block(transport: str) 
         prompt = list(range(1, 200))
         local = FencingToken.new()
         local_tokens = await _collect(decode.decode(
-            local, prompt, 12, is_local_prefill=True, num_blocks=decode.engine.layout.num_blocks_for(211)))
+            local, prompt, 12, is_local_prefill=True,
+            num_blocks=decode.engine.layout.num_blocks_for(211)))
         remote = FencingToken.new()
         destination = decode.admit(remote, len(prompt), decode.engine.layout.num_blocks_for(211))
         stream = decode.decode(remote, prompt, 12)
@@ -51,7 +53,8 @@ async def test_disaggregated_equals_local_and_frees_every_block(transport: str) 
             prefill.prefill(remote, prompt, destination, lease_s=5.0), _collect(stream))
         assert tokens == local_tokens and len(tokens) == 12
         assert tokens[0] == first
-        assert timing.num_bytes == 4 * len(destination.block_ids) * decode.engine.layout.block_nbytes
+        assert timing.num_bytes == (4 * len(destination.block_ids)
+                                    * decode.engine.layout.block_nbytes)
         # The KV that landed equals what the prefill side computed, block for block.
         for layer in range(4):
             got = decode.engine.kv_cache.layer_buffers[layer][list(destination.block_ids)]

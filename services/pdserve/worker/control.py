@@ -3,38 +3,36 @@ and its pool manager (registration and heartbeats). Workers speak gRPC only."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import grpc
+from google.protobuf.message import Message
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.api.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
-from pdserve.common.convert import load_to_pb, token_to_pb, worker_state_to_pb
+from pdserve.common.convert import load_to_pb, ticket_state_to_pb, token_to_pb, worker_state_to_pb
 from pdserve.common.grpc_client import Backoff, call_with_retry, error_from_rpc_error
 from pdserve.common.types import FencingToken, TicketState, WorkerLoad, WorkerState
-from pdserve.worker.agent import TransferTiming
-from pdserve.worker.servicer import stats_to_pb
-
-_STATE_TO_PB = {
-    TicketState.PREFILLING: pb.TICKET_STATE_PREFILLING,
-    TicketState.TRANSFERRING: pb.TICKET_STATE_TRANSFERRING,
-    TicketState.DONE: pb.TICKET_STATE_DONE,
-}
+from pdserve.worker.runtime import TransferTiming
 
 
 class GrpcControlPlane:
-    """Implements ``pdserve.worker.agent.ControlPlane`` against the coordinator."""
+    """Implements ``pdserve.worker.reports.ControlPlane`` against the coordinator."""
 
     def __init__(self, channel: grpc.aio.Channel, worker_id: str, timeout_s: float = 5.0) -> None:
         self._stub = kv_grpc.KvTransferServiceStub(channel)
         self.worker_id = worker_id
         self._timeout_s = timeout_s
 
-    async def report(self, token: FencingToken, state: TicketState, timing: TransferTiming | None) -> None:
-        request = kv_pb.UpdateProgressRequest(token=token_to_pb(token), state=_STATE_TO_PB[state],
+    async def report(self, token: FencingToken, state: TicketState,
+                     timing: TransferTiming | None) -> None:
+        request = kv_pb.UpdateProgressRequest(token=token_to_pb(token),
+                                              state=ticket_state_to_pb(state),
                                               reporter_id=self.worker_id)
         if timing is not None:
-            request.stats.CopyFrom(stats_to_pb(timing))
+            request.stats.CopyFrom(timing.to_proto())
         await self._call(self._stub.UpdateProgress, request)
 
     async def renew(self, token: FencingToken, lease_s: float) -> None:
@@ -42,9 +40,10 @@ class GrpcControlPlane:
             token=token_to_pb(token), lease_ms=int(lease_s * 1000)))
 
     async def release(self, token: FencingToken) -> None:
-        await self._call(self._stub.ReleaseTicket, kv_pb.ReleaseTicketRequest(token=token_to_pb(token)))
+        await self._call(self._stub.ReleaseTicket,
+                         kv_pb.ReleaseTicketRequest(token=token_to_pb(token)))
 
-    async def _call(self, method, request) -> None:  # type: ignore[no-untyped-def]
+    async def _call(self, method: Callable[..., Awaitable[object]], request: Message) -> None:
         """Progress reports, renewals and releases are idempotent at the coordinator, so a call
         that failed UNAVAILABLE (a coordinator replica died, its store restarted) is repeated,
         on whichever replica answers, within the deadline."""
@@ -59,10 +58,12 @@ class PoolClient:
         self._join_token = join_token
         self._timeout_s = timeout_s
 
-    async def register(self, info: pb.WorkerInfo, expected_cold_start_s: float) -> pool_pb2.RegisterResponse:
+    async def register(self, info: pb.WorkerInfo,
+                       expected_cold_start_s: float) -> pool_pb2.RegisterResponse:
         try:
             return await self._stub.Register(pool_pb2.RegisterRequest(
-                join_token=self._join_token, worker=info, expected_cold_start_s=expected_cold_start_s,
+                join_token=self._join_token, worker=info,
+                expected_cold_start_s=expected_cold_start_s,
             ), timeout=self._timeout_s)
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
@@ -72,7 +73,8 @@ class PoolClient:
                         is_full: bool, expert_token_counts: list[int] | None = None,
                         num_moe_layers: int = 0) -> pool_pb2.HeartbeatResponse:
         request = pool_pb2.HeartbeatRequest(
-            worker_id=info.worker_id, state=worker_state_to_pb(state), load=load_to_pb(load),
+            worker_id=info.worker_id, state=worker_state_to_pb(state),
+            load=load_to_pb(load),
             added_prefix_hashes=added, removed_prefix_hashes=removed,
             is_full_prefix_report=is_full, join_token=self._join_token, worker=info,
             expert_token_counts=expert_token_counts or [], num_moe_layers=num_moe_layers,

@@ -1,9 +1,10 @@
-"""The engine interface a worker agent drives, shaped after how real engines split the work.
+"""The engine interface the in-house scheduler drives, shaped after how real engines split the work.
 
 Real engines (vLLM v1, SGLang) allocate KV blocks on the *scheduler* side (a block pool with a
 free list) and move KV on the *worker* side layer by layer (vLLM's KV connector saves each layer
-as the forward pass finishes it and loads layers before attention needs them). pdserve keeps the
-same split so that an adapter for a real engine can come later without changing the agent:
+as the forward pass finishes it and loads layers before attention needs them). pdserve's own
+engines (``sim``, ``tiny``) keep the same split under pdserve's scheduler (``worker.scheduler``);
+a real engine brings its own scheduler and plugs in at the engine seam (``worker.runtime``):
 
 - ``BlockAllocator``: scheduler side; hands out physical block ids and takes them back.
 - ``KvCache``: worker side; one byte buffer per layer, ``[num_blocks, block_nbytes]``, where a
@@ -13,8 +14,8 @@ same split so that an adapter for a real engine can come later without changing 
   the cache, so the transport can ship it while the next layer computes) and decode steps over a
   batch of sequences.
 
-All engines are synchronous and CPU-bound (or sleep, for ``sim``); the agent runs them in a
-thread so the event loop stays free for gRPC and the KV transport.
+These engines are synchronous and CPU-bound (or sleep, for ``sim``); the scheduler runs them in
+a thread so the event loop stays free for gRPC and the KV transport.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` ids; raises ``MemoryError`` (and takes nothing) if too few are free."""
+        """Take ``num_blocks`` ids; raises ``MemoryError`` (and takes nothing) if too few are
+        free."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free):
@@ -141,7 +143,8 @@ class PrefillTiming:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the worker agent needs from an engine (``sim``, ``tiny``, later vLLM/SGLang adapters)."""
+    """What the in-house scheduler (``worker.scheduler``) needs from an engine (``sim``,
+    ``tiny``). Engines that schedule themselves plug in at ``worker.runtime`` instead."""
 
     name: str
     layout: KvLayout

@@ -18,9 +18,10 @@ from pdserve.common.errors import ConfigError, NotFoundError, PdserveError, Unau
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.types import WorkerRole, WorkerState
-from pdserve.worker.agent import AgentConfig, WorkerAgent
+from pdserve.worker.agent import AgentConfig
 from pdserve.worker.control import GrpcControlPlane, PoolClient
 from pdserve.worker.engine import Engine
+from pdserve.worker.scheduler.agents import create_agent
 from pdserve.worker.servicer import SERVICE_NAME, WorkerAgentServicer
 from pdserve.worker.settings import WorkerSettings
 from pdserve.worker.transports.registry import TransportBackend, get_backend
@@ -54,14 +55,16 @@ def tiny_config(settings: WorkerSettings) -> TinyConfig:
     Workers that hand KV to each other need equal shapes and seeds (equal weights)."""
     from pdserve.worker.engines.tiny import TinyConfig
 
-    extra = {"num_blocks": settings.max_num_blocks} if settings.max_num_blocks else {}
     try:
-        return TinyConfig(
+        config = TinyConfig(
             num_layers=settings.tiny_num_layers, hidden_size=settings.tiny_hidden_size,
             num_heads=settings.tiny_num_heads, num_kv_heads=settings.tiny_num_kv_heads,
             intermediate_size=2 * settings.tiny_hidden_size,
-            block_size_tokens=settings.block_size_tokens, seed=settings.tiny_seed, **extra,
+            block_size_tokens=settings.block_size_tokens, seed=settings.tiny_seed,
         )
+        if settings.max_num_blocks:
+            config = dataclasses.replace(config, num_blocks=settings.max_num_blocks)
+        return config
     except ValueError as exc:
         raise ConfigError(f"tiny engine: {exc}", field="tiny_hidden_size") from None
 
@@ -75,7 +78,8 @@ def kv_backend(settings: WorkerSettings) -> TransportBackend:
         raise ConfigError(f"PDSERVE_KV_TLS: only the tcp transport has TLS, not "
                           f"{settings.transport!r} (run it in clear on a trusted fabric)",
                           field="kv_tls")
-    from pdserve.worker.transports.tcp import KvTls, TcpBackend, TcpTransportSettings
+    from pdserve.worker.transports.tcp.backend import TcpBackend
+    from pdserve.worker.transports.tcp.settings import KvTls, TcpTransportSettings
 
     assert settings.tls_cert_path and settings.tls_key_path and settings.tls_ca_path  # check()
     tls = KvTls(settings.tls_cert_path, settings.tls_key_path, settings.tls_ca_path)
@@ -90,7 +94,7 @@ class WorkerProcess:
         self._pool_channel = open_channel(settings.pool_address, settings)
         self.control = GrpcControlPlane(self._coordinator_channel, settings.worker_id)
         self.pool = PoolClient(self._pool_channel, settings.join_token)
-        self.agent = WorkerAgent(
+        self.agent = create_agent(
             AgentConfig(worker_id=settings.worker_id, deployment=settings.deployment,
                         role=settings.role, transport=settings.transport,
                         max_batch_size=settings.max_batch_size,
@@ -154,11 +158,13 @@ class WorkerProcess:
 
     async def heartbeat(self) -> None:
         is_full = self._needs_full_prefix_report
+        removed: list[int]
         if is_full:
             added, removed = self.agent.all_prefix_hashes(), []
         else:
             added, removed = self.agent.take_prefix_delta()
         held = self.agent.held_blocks() if self.settings.role is WorkerRole.DECODE else {}
+        expert_counts: list[int]
         num_moe_layers, expert_counts = 0, []
         now_s = asyncio.get_running_loop().time()
         if now_s >= self._next_expert_report_s:
@@ -173,7 +179,8 @@ class WorkerProcess:
         if response.should_drain:
             self.agent.begin_drain("pool manager asked")
 
-    async def run(self, stop: asyncio.Event, on_ready: Callable[[WorkerProcess], None] | None = None) -> None:
+    async def run(self, stop: asyncio.Event,
+                  on_ready: Callable[[WorkerProcess], None] | None = None) -> None:
         """Cold start, then heartbeats until drained or ``stop``."""
         loop = asyncio.get_running_loop()
         ready_at = loop.time() + self.settings.cold_start_s / self.settings.cold_start_speedup
@@ -232,9 +239,9 @@ def skew_wall_clock(offset_s: float) -> None:
     # gRPC turns a timeout into a deadline with Python's time.time() and its C core compares
     # it with the core's own (unskewed) clock; on a skewed host both are skewed alike. Keep
     # the library consistent with its core, so only pdserve's code sees the skew.
-    grpc_aio_utils.time = types.SimpleNamespace(time=real_time)  # type: ignore[attr-defined]
-    time.time = lambda: real_time() + offset_s  # type: ignore[assignment]
-    time.time_ns = lambda: real_time_ns() + offset_ns  # type: ignore[assignment]
+    grpc_aio_utils.time = types.SimpleNamespace(time=real_time)  # type: ignore[assignment]
+    time.time = lambda: real_time() + offset_s
+    time.time_ns = lambda: real_time_ns() + offset_ns
     logger.warning("wall clock skewed by %+.1f s (fault injection)", offset_s)
 
 

@@ -100,13 +100,15 @@ class SimEngine:
         real_block_nbytes = report.block_bytes // self.model.num_layers * config.tp_size
         block_nbytes = max(16, int(real_block_nbytes * config.kv_scale) // 16 * 16)
         self.layout = KvLayout(num_layers=num_layers, num_blocks=num_blocks,
-                               block_size_tokens=config.block_size_tokens, block_nbytes=block_nbytes)
+                               block_size_tokens=config.block_size_tokens,
+                               block_nbytes=block_nbytes)
         self.kv_cache = KvCache(self.layout)
         self.max_context_tokens = self.model.max_context_tokens
         self.num_expert_gpus = config.tp_size
         """GPUs the experts are spread over (expert parallelism across the instance)."""
         self.num_experts = self.model.num_experts
-        self.num_moe_layers = (config.num_moe_layers or self.model.num_moe_layers) if self.model.is_moe else 0
+        self.num_moe_layers = ((config.num_moe_layers or self.model.num_moe_layers)
+                               if self.model.is_moe else 0)
         self.last_step_s = 0.0
         """Simulated seconds of the latest decode step (before ``speedup``)."""
         if self.num_moe_layers:
@@ -199,7 +201,8 @@ class SimEngine:
                 np.asarray(token_ids[index * size:(index + 1) * size], dtype=np.int64).tobytes(),
                 digest_size=16, person=index.to_bytes(8, "little"),
             ).digest()
-            patterns[index] = np.resize(np.frombuffer(digest, dtype=np.uint8), self.layout.block_nbytes)
+            patterns[index] = np.resize(np.frombuffer(digest, dtype=np.uint8),
+                                        self.layout.block_nbytes)
         return patterns
 
     # -- tokens -------------------------------------------------------------------------------
@@ -221,7 +224,8 @@ class SimEngine:
         num_prompt = len(seq.prompt_token_ids)
         needed = self.layout.num_blocks_for(num_prompt)
         if len(seq.block_ids) < needed:
-            raise ValueError(f"sequence {seq.request_id} has {len(seq.block_ids)} blocks, needs {needed}")
+            raise ValueError(
+                f"sequence {seq.request_id} has {len(seq.block_ids)} blocks, needs {needed}")
         num_cached = min(seq.num_computed_tokens, num_prompt - 1) if num_prompt else 0
         num_new = num_prompt - num_cached
         straggler = self._route(num_new)

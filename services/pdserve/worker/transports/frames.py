@@ -320,7 +320,8 @@ def _check_layers(header: FrameHeader, limits: FrameLimits) -> None:
         raise FrameError(f"LAYERS payload is {header.payload_nbytes} bytes, not a multiple >= 1 "
                          f"of {layer_nbytes} (one layer of {header.num_block_ids} blocks)")
     if header.layer + num_layers > limits.num_layers:
-        raise FrameError(f"LAYERS frame covers layers {header.layer}..{header.layer + num_layers - 1}"
+        last_layer = header.layer + num_layers - 1
+        raise FrameError(f"LAYERS frame covers layers {header.layer}..{last_layer}"
                          f", past layer {limits.num_layers - 1}")
 
 

@@ -20,11 +20,10 @@ from pdserve.common.errors import AlreadyExistsError, IllegalTransitionError
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports.base import (
+from pdserve.worker.transports.base import KvReceiver, KvSender
+from pdserve.worker.transports.values import (
     FrameRefusedError,
     KvDestinationSpec,
-    KvReceiver,
-    KvSender,
     LayerOffer,
     MonotonicClock,
     RejectReason,
@@ -107,7 +106,7 @@ class InprocKvSender(KvSender):
         if receiver is None or (self._receiver is not None and receiver is not self._receiver):
             self._fail(f"no receiver at {self._dest.kv_address}")
             self._raise_failed()
-        return receiver  # type: ignore[return-value]
+        return receiver
 
     def _refused(self, exc: FrameRefusedError) -> None:
         rejection = exc.rejection

@@ -1,6 +1,6 @@
-"""Transport backends by name: ``tcp`` (default), ``inproc`` (tests), later ``nixl``.
+"""Transport backends by name: ``tcp`` (default), ``inproc`` (tests), ``nixl`` (optional).
 
-Each backend is a sibling module exposing ``BACKEND``, imported only when first asked for, so an
+Each backend is a module exposing ``BACKEND``, imported only when first asked for, so an
 optional backend whose library is missing costs nothing until someone names it (and then says
 why it is unavailable). Adding one is one line in ``_BUILTIN_MODULES``, or ``register_backend``
 from anywhere.
@@ -15,7 +15,8 @@ from typing import Protocol, runtime_checkable
 from pdserve.common.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
 from pdserve.worker.engine import KvCache
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports.base import KvReceiver, KvSender, MonotonicClock
+from pdserve.worker.transports.base import KvReceiver, KvSender
+from pdserve.worker.transports.values import MonotonicClock
 
 
 @runtime_checkable
@@ -44,9 +45,9 @@ class TransportBackend(Protocol):
 
 
 _BUILTIN_MODULES: dict[str, str] = {
-    "tcp": "pdserve.worker.transports.tcp",
+    "tcp": "pdserve.worker.transports.tcp.backend",
     "inproc": "pdserve.worker.transports.inproc",
-    "nixl": "pdserve.worker.transports.nixl",
+    "nixl": "pdserve.worker.transports.nixl.backend",
 }
 _BACKENDS: dict[str, TransportBackend] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
