@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "experts": ("pdserve.cli.experts", "per-GPU expert load before/after a placement: table and heat map"),
     "audit": ("pdserve.cli.audit", "reconcile decode ledgers with worker block tables; compare KV block checksums"),
     "certs": ("pdserve.cli.certs", "make a development CA and mutual-TLS certificates"),
+    "models": ("pdserve.cli.models", "build model folders offline: SmolLM2-135M-Instruct, a tiny random Llama"),
+    "doctor": ("pdserve.cli.doctor", "check (and --fix) that this environment can run the vllm engine"),
 }
 
 
