@@ -308,6 +308,12 @@ class VllmEngine:
         if self._engine is not None:
             await self._engine.abort(request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached block not held by a running request (True if vLLM did)."""
+        if self._engine is None:
+            return False
+        return bool(await self._engine.reset_prefix_cache())
+
     # -- what heartbeats report --
 
     @property

@@ -18,6 +18,7 @@ import asyncio
 import enum
 import json
 import logging
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -135,3 +136,7 @@ class EventListener:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
