@@ -176,11 +176,14 @@ async def test_handoff_matches_colocated_token_for_token(pair: Pair) -> None:
 
     after = decode_engine.prompt_tokens_by_source()  # type: ignore[attr-defined]
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    num_prompt_tokens = sum(len(p) for p in PROMPTS.values())
+    # vLLM counts a load of the whole prompt as external although it recomputes the last
+    # token to sample from it; a 1-token prompt it recomputes whole and counts as computed.
     local_hit = 2 * BLOCK_SIZE
+    num_single = sum(1 for p in PROMPTS.values() if len(p) == 1)
+    num_loaded = sum(len(p) for p in PROMPTS.values() if len(p) > 1) - local_hit
     assert delta["local_cache_hit"] == local_hit
-    assert delta["external_kv_transfer"] == num_prompt_tokens - local_hit
-    assert delta["local_compute"] == 0
+    assert delta["external_kv_transfer"] == num_loaded
+    assert delta["local_compute"] == num_single
     assert not pair.decode.of_kind(EventKind.FAILED)
 
 
