@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import InvalidArgumentError, PdserveError
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.engines.vllm.events import ConnectorEvent, EventKind, EventSink
 from pdserve.worker.engines.vllm.exchange import DestinationExchange, make_exchange
@@ -92,6 +92,7 @@ class VllmKvCache(KvCache):
     """
 
     def __init__(self, tensors: Sequence[Any], block_size_tokens: int) -> None:  # torch.Tensor
+        # No super().__init__(): it would allocate buffers; these are views of vLLM's memory.
         if not tensors:
             raise ValueError("no KV cache tensors registered")
         first = tensors[0]
@@ -339,6 +340,12 @@ class WorkerSide:
         finally:
             if not is_ok:
                 self._receiver.cancel(token, reason or "load failed")
+                # vLLM skipped zeroing these blocks for the load and reuses them unzeroed once
+                # freed; half-written bytes (NaN, say) in slots a later request masks would
+                # still poison its attention. They are still ours: clear them.
+                ids = np.asarray(spec.dst_block_ids, dtype=np.int64)
+                for buffer in self.kv_cache.layer_buffers:
+                    buffer[ids] = 0
             self._owner_table.release(token)  # before vLLM learns: no late write lands
             self._load_tasks.pop(spec.req_id, None)
             with self._lock:
@@ -437,8 +444,6 @@ class WorkerSide:
                            job: _SendJob) -> DestinationPlacement:
         """Refuse a destination that does not fit this prompt (it would land KV in the wrong
         blocks): the send fails and the agent retries the request."""
-        from pdserve.common.errors import InvalidArgumentError
-
         placement = DestinationPlacement.decode(destination.metadata)
         if placement.num_prompt_tokens != spec.num_prompt_tokens:
             raise InvalidArgumentError(
