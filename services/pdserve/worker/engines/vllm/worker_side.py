@@ -1,0 +1,482 @@
+"""Worker side of pdserve's connector: runs in vLLM's worker process, owns the KV data path.
+
+vLLM's KV tensors are viewed (no copy) as pdserve's ``KvCache``: one ``uint8[num_blocks,
+block_nbytes]`` buffer per layer, so pdserve's ``tcp`` transport moves whole blocks as opaque
+bytes in vLLM's own layout (on CPU ``[num_blocks, kv_heads, block_size, 2 * head_size]`` with K
+stored transposed inside a block: never indexed by token here).
+
+Threads: vLLM calls the connector on its model-runner thread; the data path lives on an asyncio
+loop in one daemon thread (``_LoopThread``), which alone touches the receiver, the senders and the
+block owner table (none of them is thread-safe). The model thread only posts work to the loop
+(``call_soon_threadsafe``) and collects results from lock-protected sets, so a step never waits
+for the network.
+
+Decode (``LoadSpec``): the fencing token is made owner of exactly the blocks vLLM allocated
+(``BlockOwnerTable``), the receiver expects it, the destination is published through the
+rendezvous, and the receiver — which validates every frame against the owner table before a
+byte lands — collects the KV. The request is then reported finished receiving exactly once: as a
+success only if every layer of every block landed; otherwise (timeout, refusal, abort, a
+destination nobody took) also as ``failed_recving``, so vLLM never caches those blocks and, under
+its default ``kv_load_failure_policy="fail"``, ends the request with an error the agent retries.
+The ticket is cancelled and its blocks released in the owner table *before* that report, so no
+late frame can land in blocks vLLM hands to someone else; late frames are refused and counted.
+
+Prefill (``SendSpec``): ``save_kv_layer`` runs right after each layer's attention; it posts
+(layer, blocks now final) to the request's send job, which pushes them while later layers compute.
+The job waits for the destination (given, or from the rendezvous), checks it against the prompt,
+and after the last layer sends DONE. The request's blocks stay allocated (``request_finished``
+returned True) until the job has ended and vLLM has reported the request finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import zlib
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdserve.common.errors import InvalidArgumentError, PdserveError
+from pdserve.worker.engine import KvCache, KvLayout
+from pdserve.worker.engines.vllm.events import ConnectorEvent, EventKind, EventSink
+from pdserve.worker.engines.vllm.exchange import DestinationExchange, make_exchange
+from pdserve.worker.engines.vllm.protocol import (
+    ConnectorSettings,
+    DestinationPlacement,
+    LoadSpec,
+    SendSpec,
+)
+from pdserve.worker.kv_owner import BlockOwnerTable
+from pdserve.worker.transports.base import KvDestinationSpec
+from pdserve.worker.transports.tcp import TcpKvReceiver, TcpKvSender, close_sender_connections
+
+logger = logging.getLogger(__name__)
+
+_SETUP_TIMEOUT_S = 30.0
+_REJECTION_POLL_S = 0.25
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux). vLLM's EngineCore outlives a parent
+    killed with SIGKILL otherwise; its worker watches EngineCore, but this covers it too."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("PR_SET_PDEATHSIG failed: errno %d", ctypes.get_errno())
+            return
+    except (OSError, AttributeError):
+        logger.warning("PR_SET_PDEATHSIG unavailable: engine processes may outlive the agent")
+        return
+    if os.getppid() == 1:  # the parent died before the call above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- vLLM's tensors as pdserve's KvCache -------------------------------------------------------
+
+
+class VllmKvCache(KvCache):
+    """``KvCache`` over vLLM's per-layer tensors (shared memory: writes land in vLLM's cache).
+
+    Each tensor must be contiguous with the block index first (the CPU backend's layout); the
+    bytes of one block of one layer are then one contiguous run of ``block_nbytes``.
+    """
+
+    def __init__(self, tensors: Sequence[Any], block_size_tokens: int) -> None:  # torch.Tensor
+        # No super().__init__(): it would allocate buffers; these are views of vLLM's memory.
+        if not tensors:
+            raise ValueError("no KV cache tensors registered")
+        first = tensors[0]
+        num_blocks = int(first.shape[0])
+        buffers = []
+        for index, tensor in enumerate(tensors):
+            if tensor.device.type != "cpu":
+                raise NotImplementedError(
+                    f"KV layer {index} is on {tensor.device}: pdserve's tcp data path reads "
+                    "host memory (device tensors need the nixl transport, not built yet)")
+            if not tensor.is_contiguous() or int(tensor.shape[0]) != num_blocks:
+                raise ValueError(f"KV layer {index}: shape {tuple(tensor.shape)} is not "
+                                 f"[num_blocks={num_blocks}, ...] contiguous")
+            flat = tensor.view(-1).view(dtype=_torch_uint8()).numpy()
+            buffers.append(flat.reshape(num_blocks, -1))
+        self.layout = KvLayout(num_layers=len(buffers), num_blocks=num_blocks,
+                               block_size_tokens=block_size_tokens,
+                               block_nbytes=int(buffers[0].shape[1]))
+        self.layer_buffers = buffers
+
+
+def _torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def kv_crc32(kv_cache: KvCache, block_ids: Sequence[int]) -> int:
+    """CRC-32 of every layer of ``block_ids`` (layer-major, blocks in sequence order): the
+    definition the worker agent's ``kv_checksum`` uses, so ``pdserve audit`` compares alike."""
+    crc = 0
+    ids = np.asarray(block_ids, dtype=np.int64)
+    for buffer in kv_cache.layer_buffers:
+        crc = zlib.crc32(np.ascontiguousarray(buffer[ids]), crc)
+    return crc
+
+
+def block_crc32s(kv_cache: KvCache, block_ids: Sequence[int]) -> tuple[int, ...]:
+    """One CRC-32 per block, over its layers in order."""
+    crcs = []
+    for block_id in block_ids:
+        crc = 0
+        for buffer in kv_cache.layer_buffers:
+            crc = zlib.crc32(buffer[block_id], crc)
+        crcs.append(crc)
+    return tuple(crcs)
+
+
+# ---- the loop thread ------------------------------------------------------------------------
+
+
+class _LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def post(self, callback: Any, *args: Any) -> None:
+        self.loop.call_soon_threadsafe(callback, *args)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
+
+
+@dataclass(slots=True)
+class _SendJob:
+    req_id: str
+    token: Any
+    num_prompt_blocks: int
+    queue: asyncio.Queue[tuple[int, SendSpec]]
+    sent_upto: list[int]
+    """Per layer: logical blocks below this index were offered."""
+    task: asyncio.Task[None] | None = None
+    started_s: float = field(default_factory=time.perf_counter)
+
+
+class WorkerSide:
+    """One per vLLM worker process. All public methods are called on vLLM's model thread."""
+
+    def __init__(self, settings: ConnectorSettings, *, is_consumer: bool, is_producer: bool,
+                 exchange: DestinationExchange | None = None) -> None:
+        self._settings = settings
+        self._is_consumer = is_consumer
+        self._is_producer = is_producer
+        self._exchange = exchange
+        self._thread: _LoopThread | None = None
+        self.kv_cache: VllmKvCache | None = None
+        self._layer_index: dict[str, int] = {}
+        self._owner_table: BlockOwnerTable | None = None
+        self._receiver: TcpKvReceiver | None = None
+        self._kv_address = ""
+        self._events = EventSink(settings.events_path)
+        # loop-thread state
+        self._load_tasks: dict[str, asyncio.Task[None]] = {}
+        self._send_jobs: dict[str, _SendJob] = {}
+        self._num_rejections_reported = 0
+        self._poller: asyncio.Task[None] | None = None
+        # shared with the model thread, under _lock
+        self._lock = threading.Lock()
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._ended_sending: set[str] = set()
+        self._finished_by_vllm: set[str] = set()
+        self._send_req_ids: set[str] = set()
+        """Model thread only: requests this worker sent for and has not reported yet."""
+
+    # -- registration --
+
+    def register_kv_caches(self, kv_caches: dict[str, Any], block_size_tokens: int) -> None:
+        names = list(kv_caches)
+        self._layer_index = {name: index for index, name in enumerate(names)}
+        self.kv_cache = VllmKvCache([kv_caches[name] for name in names], block_size_tokens)
+        self._thread = _LoopThread()
+        self._thread.run(self._setup(), _SETUP_TIMEOUT_S)
+        layout = self.kv_cache.layout
+        logger.info("pdserve connector: %d layers x %d blocks of %d tokens (%d bytes); "
+                    "receiver %s", layout.num_layers, layout.num_blocks,
+                    layout.block_size_tokens, layout.block_nbytes, self._kv_address or "off")
+        self._events.emit(ConnectorEvent(
+            EventKind.READY, kv_address=self._kv_address, num_layers=layout.num_layers,
+            num_total_blocks=layout.num_blocks, block_size_tokens=layout.block_size_tokens,
+            block_nbytes=layout.block_nbytes))
+
+    async def _setup(self) -> None:
+        assert self.kv_cache is not None
+        if self._exchange is None:
+            self._exchange = make_exchange(self._settings)
+        if self._is_consumer:
+            self._owner_table = BlockOwnerTable(self.kv_cache.layout.num_blocks)
+            self._receiver = TcpKvReceiver(self.kv_cache, self._owner_table)
+            self._kv_address = await self._receiver.start(self._settings.kv_host,
+                                                          self._settings.kv_port)
+            self._poller = asyncio.create_task(self._poll_rejections())
+
+    # -- per step, model thread --
+
+    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
+        if not loads:
+            return
+        if self._receiver is None:
+            raise RuntimeError("a KV load on an engine whose connector is not a consumer")
+        for spec in loads:
+            self._post(self._begin_load, spec)
+
+    def save_layer(self, sends: Sequence[SendSpec], layer_name: str) -> None:
+        if not sends:
+            return
+        layer = self._layer_index[layer_name]
+        for spec in sends:
+            self._send_req_ids.add(spec.req_id)
+            self._post(self._offer, spec, layer)
+
+    def abort_sends(self, req_ids: Sequence[str]) -> None:
+        for req_id in req_ids:
+            self._post(self._abort_send, req_id)
+
+    def get_transfer_results(self, finished_req_ids: set[str]
+                             ) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving); each id once, ever."""
+        if finished_req_ids:
+            self._post(self._on_requests_finished, set(finished_req_ids))
+        with self._lock:
+            self._finished_by_vllm |= finished_req_ids & self._send_req_ids
+            recving, self._done_recving = self._done_recving, set()
+            failed = self._failed_recving & recving
+            self._failed_recving -= failed
+            sending = self._ended_sending & self._finished_by_vllm
+            self._ended_sending -= sending
+            self._finished_by_vllm -= sending
+        self._send_req_ids -= sending
+        return sending, recving, failed
+
+    def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        try:
+            self._thread.run(self._teardown(), 10.0)
+        except Exception:  # shutting down: report, never raise into vLLM's teardown
+            logger.exception("pdserve connector teardown failed")
+        self._thread.stop()
+        self._thread = None
+        self._events.close()
+
+    async def _teardown(self) -> None:
+        for task in [*self._load_tasks.values(),
+                     *(job.task for job in self._send_jobs.values() if job.task)]:
+            task.cancel()
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._receiver is not None:
+            await self._receiver.close()
+        close_sender_connections()
+        if self._exchange is not None:
+            await self._exchange.close()
+
+    def _post(self, callback: Any, *args: Any) -> None:
+        if self._thread is None:
+            raise RuntimeError("pdserve connector used before register_kv_caches")
+        self._thread.post(callback, *args)
+
+    # -- decode side, loop thread --
+
+    def _begin_load(self, spec: LoadSpec) -> None:
+        task = asyncio.get_running_loop().create_task(self._run_load(spec),
+                                                      name=f"kv-load-{spec.req_id}")
+        self._load_tasks[spec.req_id] = task
+
+    async def _run_load(self, spec: LoadSpec) -> None:
+        assert self._receiver is not None and self._owner_table is not None
+        assert self.kv_cache is not None and self._exchange is not None
+        token = spec.token
+        is_ok = False
+        reason = ""
+        started_s = time.perf_counter()
+        try:
+            self._owner_table.assign(token, spec.dst_block_ids)
+            self._receiver.expect(token, spec.dst_block_ids, self.kv_cache.layout.num_layers)
+            destination = KvDestinationSpec(
+                kv_address=self._kv_address, block_ids=spec.dst_block_ids, transport="tcp",
+                layout=self.kv_cache.layout, decode_worker_id=self._settings.worker_id,
+                metadata=DestinationPlacement(spec.first_block, spec.num_prompt_tokens).encode())
+            await asyncio.wait_for(self._exchange.publish(token, destination),
+                                   self._settings.rpc_timeout_s)
+            result = await self._receiver.wait(token, spec.timeout_s)
+            crc = kv_crc32(self.kv_cache, spec.dst_block_ids)  # before vLLM may write again
+            self._events.emit(ConnectorEvent(
+                EventKind.RECEIVED, req_id=spec.req_id, token=str(token), crc32=crc,
+                block_crc32s=block_crc32s(self.kv_cache, spec.dst_block_ids),
+                num_blocks=len(spec.dst_block_ids), num_layers=result.num_layers,
+                num_bytes=result.num_bytes, transfer_s=time.perf_counter() - started_s))
+            is_ok = True
+        except asyncio.CancelledError:
+            reason = "request finished before its KV landed (aborted)"
+        except (PdserveError, TimeoutError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            if not is_ok:
+                self._receiver.cancel(token, reason or "load failed")
+                # vLLM skipped zeroing these blocks for the load and reuses them unzeroed once
+                # freed; half-written bytes (NaN, say) in slots a later request masks would
+                # still poison its attention. They are still ours: clear them.
+                ids = np.asarray(spec.dst_block_ids, dtype=np.int64)
+                for buffer in self.kv_cache.layer_buffers:
+                    buffer[ids] = 0
+            self._owner_table.release(token)  # before vLLM learns: no late write lands
+            self._load_tasks.pop(spec.req_id, None)
+            with self._lock:
+                self._done_recving.add(spec.req_id)
+                if not is_ok:
+                    self._failed_recving.add(spec.req_id)
+            if not is_ok:
+                logger.warning("KV load of %s (%s) failed: %s", spec.req_id, token, reason)
+                self._events.emit(ConnectorEvent(EventKind.FAILED, req_id=spec.req_id,
+                                                 token=str(token), reason=reason))
+            self._check_rejections()
+
+    def _on_requests_finished(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            task = self._load_tasks.get(req_id)
+            if task is not None:
+                task.cancel()
+
+    async def _poll_rejections(self) -> None:
+        while True:
+            await asyncio.sleep(_REJECTION_POLL_S)
+            self._check_rejections()
+
+    def _check_rejections(self) -> None:
+        if self._receiver is None:
+            return
+        num = self._receiver.num_rejections
+        if num != self._num_rejections_reported:
+            self._num_rejections_reported = num
+            last = self._receiver.rejections[-1] if self._receiver.rejections else None
+            self._events.emit(ConnectorEvent(
+                EventKind.REJECTED, num_rejections=num,
+                token=str(last.token) if last and last.token else "",
+                reason=f"{last.reason}: {last.detail}" if last else ""))
+
+    # -- prefill side, loop thread --
+
+    def _offer(self, spec: SendSpec, layer: int) -> None:
+        assert self.kv_cache is not None
+        job = self._send_jobs.get(spec.req_id)
+        if job is None:
+            num_blocks = math.ceil(spec.num_prompt_tokens / self.kv_cache.layout.block_size_tokens)
+            job = _SendJob(spec.req_id, spec.token, num_blocks, asyncio.Queue(),
+                           [0] * self.kv_cache.layout.num_layers)
+            job.task = asyncio.get_running_loop().create_task(
+                self._run_send(job, spec), name=f"kv-send-{spec.req_id}")
+            self._send_jobs[spec.req_id] = job
+        job.queue.put_nowait((layer, spec))
+
+    def _abort_send(self, req_id: str) -> None:
+        job = self._send_jobs.get(req_id)
+        if job is not None and job.task is not None:
+            job.task.cancel()
+
+    async def _run_send(self, job: _SendJob, first: SendSpec) -> None:
+        assert self.kv_cache is not None and self._exchange is not None
+        sender: TcpKvSender | None = None
+        reason = ""
+        try:
+            destination = first.destination
+            if destination is None:
+                destination = await self._exchange.wait(job.token, first.timeout_s)
+            if destination is None:
+                raise TimeoutError(f"no destination for {job.token} within {first.timeout_s} s")
+            placement = self._check_destination(destination, first, job)
+            sender = TcpKvSender(self.kv_cache)
+            await sender.open(destination, job.token)
+            src_ids = await self._push_layers(job, sender, destination, placement,
+                                              first.timeout_s)
+            crc = kv_crc32(self.kv_cache, src_ids)
+            crcs = block_crc32s(self.kv_cache, src_ids)
+            result = await sender.finish(0, time.perf_counter() - job.started_s)
+            self._events.emit(ConnectorEvent(
+                EventKind.SENT, req_id=job.req_id, token=str(job.token), crc32=crc,
+                block_crc32s=crcs, num_blocks=len(src_ids), num_layers=result.num_layers,
+                num_bytes=result.num_bytes, transfer_s=result.transfer_s))
+        except asyncio.CancelledError:
+            reason = "request aborted"
+        except (PdserveError, TimeoutError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            if sender is not None:
+                if reason:
+                    await sender.abort(reason)
+                else:
+                    await sender.close()
+            self._send_jobs.pop(job.req_id, None)
+            with self._lock:
+                self._ended_sending.add(job.req_id)
+            if reason:
+                logger.warning("KV send of %s (%s) failed: %s", job.req_id, job.token, reason)
+                self._events.emit(ConnectorEvent(EventKind.FAILED, req_id=job.req_id,
+                                                 token=str(job.token), reason=reason))
+
+    def _check_destination(self, destination: KvDestinationSpec, spec: SendSpec,
+                           job: _SendJob) -> DestinationPlacement:
+        """Refuse a destination that does not fit this prompt (it would land KV in the wrong
+        blocks): the send fails and the agent retries the request."""
+        placement = DestinationPlacement.decode(destination.metadata)
+        if placement.num_prompt_tokens != spec.num_prompt_tokens:
+            raise InvalidArgumentError(
+                f"destination is for {placement.num_prompt_tokens} prompt tokens, this "
+                f"prompt has {spec.num_prompt_tokens}", field="destination")
+        num_expected = job.num_prompt_blocks - placement.first_block
+        if len(destination.block_ids) != num_expected or num_expected <= 0:
+            raise InvalidArgumentError(
+                f"destination has {len(destination.block_ids)} blocks from block "
+                f"{placement.first_block}, the prompt needs {num_expected}",
+                field="destination.block_ids")
+        if destination.transport != "tcp":
+            raise InvalidArgumentError(f"destination transport {destination.transport!r}; this "
+                                       "connector speaks tcp", field="destination.transport")
+        return placement
+
+    async def _push_layers(self, job: _SendJob, sender: TcpKvSender,
+                           destination: KvDestinationSpec, placement: DestinationPlacement,
+                           timeout_s: float) -> list[int]:
+        """Offer each (layer, ready blocks) as it is posted, until every layer has every block;
+        returns the source block ids sent (sequence order)."""
+        first_block = placement.first_block
+        num_blocks = job.num_prompt_blocks
+        src_ids: list[int] = []
+        while min(job.sent_upto) < num_blocks:
+            layer, spec = await asyncio.wait_for(job.queue.get(), timeout_s)
+            start = max(first_block, job.sent_upto[layer])
+            end = spec.num_ready_blocks
+            if end > start:
+                await sender.offer_layer(
+                    layer, spec.block_ids[start:end],
+                    destination.block_ids[start - first_block:end - first_block])
+                job.sent_upto[layer] = end
+            if end >= num_blocks:
+                src_ids = list(spec.block_ids[first_block:num_blocks])
+        return src_ids
