@@ -14,8 +14,8 @@ import pytest
 
 from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
+from pdserve.common.types import FencingToken
 from pdserve.kv_transfer.rendezvous import MemoryRendezvous
-from pdserve.state.types import FencingToken
 from pdserve.worker.engine import KvLayout
 from pdserve.worker.engines.vllm.events import (
     ConnectorEvent,
@@ -35,7 +35,7 @@ from pdserve.worker.engines.vllm.protocol import (
     TicketRole,
 )
 from pdserve.worker.engines.vllm.scheduler_side import SchedulerSide
-from pdserve.worker.transports.base import KvDestinationSpec
+from pdserve.worker.transports.values import KvDestinationSpec
 
 BLOCK = 32
 LAYOUT = KvLayout(num_layers=4, num_blocks=64, block_size_tokens=BLOCK, block_nbytes=16384)

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
+from helpers.vllm_env import ENGINE_ENVIRONMENT
 
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.engines.vllm.events import ConnectorEvent, EventKind, EventListener
 from pdserve.worker.engines.vllm.exchange import DirectoryDestinationExchange
@@ -28,9 +29,8 @@ from pdserve.worker.engines.vllm.protocol import (
     TicketParams,
     TicketRole,
 )
-from pdserve.worker.transports.base import TransferFailedError
-from pdserve.worker.transports.tcp import TcpKvSender
-from helpers.vllm_env import ENGINE_ENVIRONMENT
+from pdserve.worker.transports.tcp.sender import TcpKvSender
+from pdserve.worker.transports.values import TransferFailedError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -160,7 +160,7 @@ async def test_handoff_matches_colocated_token_for_token(pair: Pair) -> None:
     runs = await asyncio.gather(*(_handoff(pair, name, prompt)
                                   for name, prompt in PROMPTS.items()))
 
-    for (name, prompt), (token, tokens, reason) in zip(PROMPTS.items(), runs, strict=True):
+    for name, (_, tokens, reason) in zip(PROMPTS, runs, strict=True):
         assert tokens == pair.reference[name], name
         assert len(tokens) == NUM_GENERATED and reason == "length", name
     await _wait_for(lambda: len(pair.prefill.of_kind(EventKind.SENT)) >= len(PROMPTS))

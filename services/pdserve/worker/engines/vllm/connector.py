@@ -51,7 +51,7 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None
         settings = ConnectorSettings.from_extra_config(transfer_config.kv_connector_extra_config)

@@ -130,7 +130,7 @@ class EventListener:
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
             lambda: _Protocol(self._on_event), sock=sock)
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = transport
 
     def close(self) -> None:
         if self._transport is not None:

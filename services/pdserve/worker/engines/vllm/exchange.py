@@ -20,9 +20,9 @@ from typing import Protocol
 import grpc
 
 from pdserve.common.errors import InvalidArgumentError, NotFoundError, UnavailableError
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engines.vllm.protocol import ConnectorSettings, RendezvousKind
-from pdserve.worker.transports.base import KvDestinationSpec
+from pdserve.worker.transports.values import KvDestinationSpec
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class DirectoryDestinationExchange:
         return self._folder / f"{token.ticket_id}.{token.attempt}.dest"
 
     async def publish(self, token: FencingToken, destination: KvDestinationSpec) -> None:
-        payload = destination.to_proto().SerializeToString()  # type: ignore[attr-defined]
+        payload = destination.to_proto().SerializeToString()
         fd, staging = tempfile.mkstemp(dir=self._folder, prefix=".publish-")
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)

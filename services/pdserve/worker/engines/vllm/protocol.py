@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.errors import InvalidArgumentError
-from pdserve.state.types import FencingToken
+from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvLayout
-from pdserve.worker.transports.base import KvDestinationSpec
+from pdserve.worker.transports.values import KvDestinationSpec
 
 PARAMS_KEY = "pdserve"
 """Key of pdserve's entry inside vLLM's ``kv_transfer_params``."""
@@ -75,7 +75,7 @@ class TicketParams:
             "timeout_s": self.timeout_s,
         }
         if self.destination is not None:
-            raw = self.destination.to_proto().SerializeToString()  # type: ignore[attr-defined]
+            raw = self.destination.to_proto().SerializeToString()
             entry["destination"] = base64.b64encode(raw).decode("ascii")
         return {PARAMS_KEY: entry}
 

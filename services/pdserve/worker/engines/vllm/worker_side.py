@@ -55,9 +55,11 @@ from pdserve.worker.engines.vllm.protocol import (
     LoadSpec,
     SendSpec,
 )
+from pdserve.worker.kv_checksums import kv_checksum
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports.base import KvDestinationSpec
-from pdserve.worker.transports.tcp import TcpKvReceiver, TcpKvSender, close_sender_connections
+from pdserve.worker.transports.tcp.receiver import TcpKvReceiver
+from pdserve.worker.transports.tcp.sender import TcpKvSender, close_sender_connections
+from pdserve.worker.transports.values import KvDestinationSpec
 
 logger = logging.getLogger(__name__)
 
@@ -118,16 +120,6 @@ def _torch_uint8() -> Any:
     import torch
 
     return torch.uint8
-
-
-def kv_crc32(kv_cache: KvCache, block_ids: Sequence[int]) -> int:
-    """CRC-32 of every layer of ``block_ids`` (layer-major, blocks in sequence order): the
-    definition the worker agent's ``kv_checksum`` uses, so ``pdserve audit`` compares alike."""
-    crc = 0
-    ids = np.asarray(block_ids, dtype=np.int64)
-    for buffer in kv_cache.layer_buffers:
-        crc = zlib.crc32(np.ascontiguousarray(buffer[ids]), crc)
-    return crc
 
 
 def block_crc32s(kv_cache: KvCache, block_ids: Sequence[int]) -> tuple[int, ...]:
@@ -326,7 +318,7 @@ class WorkerSide:
             await asyncio.wait_for(self._exchange.publish(token, destination),
                                    self._settings.rpc_timeout_s)
             result = await self._receiver.wait(token, spec.timeout_s)
-            crc = kv_crc32(self.kv_cache, spec.dst_block_ids)  # before vLLM may write again
+            crc = kv_checksum(self.kv_cache, spec.dst_block_ids)  # before vLLM may write again
             self._events.emit(ConnectorEvent(
                 EventKind.RECEIVED, req_id=spec.req_id, token=str(token), crc32=crc,
                 block_crc32s=block_crc32s(self.kv_cache, spec.dst_block_ids),
@@ -415,7 +407,7 @@ class WorkerSide:
             await sender.open(destination, job.token)
             src_ids = await self._push_layers(job, sender, destination, placement,
                                               first.timeout_s)
-            crc = kv_crc32(self.kv_cache, src_ids)
+            crc = kv_checksum(self.kv_cache, src_ids)
             crcs = block_crc32s(self.kv_cache, src_ids)
             result = await sender.finish(0, time.perf_counter() - job.started_s)
             self._events.emit(ConnectorEvent(
