@@ -500,8 +500,12 @@ async def _settle(stack: ChaosStack, monitor: FencingMonitor, result: ChaosResul
     services = stack.services
     result.audit = await settled_audit(services, settle_s=30.0)
     result.idle_ledger_problems = await settled_idle_ledgers(services, timeout_s=30.0)
-    final = await audit(services.coordinator_address,
-                        [services.pool_address("prefill"), services.pool_address("decode")], MODEL, 0.0)
+    final = await audit(
+        services.coordinator_address,
+        [services.pool_address("prefill"), services.pool_address("decode")],
+        MODEL,
+        0.0,
+    )
     result.leaked_blocks = (sum(max(d.ledger_used_blocks, d.worker_used_blocks)
                                 for d in final.decode)
                             + sum(final.prefill_blocks_in_use.values()))

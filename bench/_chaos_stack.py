@@ -193,8 +193,15 @@ class ChaosStack:
 
     def group_of(self, process: ServiceProcess) -> list[ServiceProcess]:
         services = self.services
-        for group in (services.coordinators, services.prefill_pools, services.decode_pools, services.routers,
-                      services.prefill_workers, services.decode_workers, self.governors):
+        for group in (
+            services.coordinators,
+            services.prefill_pools,
+            services.decode_pools,
+            services.routers,
+            services.prefill_workers,
+            services.decode_workers,
+            self.governors,
+        ):
             if any(p is process for p in group):
                 return group
         raise ValueError(f"{process.name} is not in the stack")

@@ -125,8 +125,9 @@ async def _decode_worker_address(channel: grpc.aio.Channel) -> str:
     return response.workers[0].address
 
 
-def make_calls(router: router_pb2_grpc.RouterServiceStub,
-               worker: worker_pb2_grpc.WorkerAgentServiceStub) -> dict[str, Callable[[], Awaitable[None]]]:
+def make_calls(
+    router: router_pb2_grpc.RouterServiceStub, worker: worker_pb2_grpc.WorkerAgentServiceStub
+) -> dict[str, Callable[[], Awaitable[None]]]:
     async def via_router(mode: int) -> None:
         count = 0
         async for chunk in router.Generate(router_pb2.GenerateRequest(
@@ -205,8 +206,12 @@ async def measure(env: dict[str, str], args: argparse.Namespace, modes: list[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=400, help="requests per mode at concurrency 1")
-    parser.add_argument("--seconds", type=float, default=8.0, help="duration of each concurrency-16 run")
+    parser.add_argument(
+        "--requests", type=int, default=400, help="requests per mode at concurrency 1"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=8.0, help="duration of each concurrency-16 run"
+    )
     args = parser.parse_args()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
 

@@ -107,7 +107,9 @@ class Stack:
         if self.tenant_keys:
             self._keys_dir = tempfile.TemporaryDirectory(prefix="pdserve-bench-")
             path = Path(self._keys_dir.name) / "api_keys"
-            path.write_text("".join(f"{key} {tenant}\n" for tenant, key in self.tenant_keys.items()))
+            path.write_text(
+                "".join(f"{key} {tenant}\n" for tenant, key in self.tenant_keys.items())
+            )
             argv += ["--api-keys-path", str(path)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "OTEL_"))}
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""Test session set-up: markers by directory, and the real Redis/Postgres that integration tests use.
+"""Test session set-up: markers by directory, and the real Redis/Postgres integration tests use.
 
 Services are found in this order: a URL from the environment (``PDSERVE_TEST_REDIS_URL``,
 ``PDSERVE_TEST_DATABASE_URL``; CI sets both); a throwaway container through testcontainers when a

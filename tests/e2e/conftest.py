@@ -143,7 +143,9 @@ class ServiceProcess:
                                 f"{self.describe()}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    pytest.fail(f"{self.name}: no {what} within {timeout_s:.0f}s\n{self.describe()}")
+                    pytest.fail(
+                        f"{self.name}: no {what} within {timeout_s:.0f}s\n{self.describe()}"
+                    )
                 self._cond.wait(min(remaining, 0.2))
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> ServiceProcess:
@@ -270,8 +272,11 @@ class _TraceServicer(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, collector: TraceCollector) -> None:
         self._collector = collector
 
-    async def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
-                     context: grpc.aio.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
+    async def Export(
+        self,
+        request: trace_service_pb2.ExportTraceServiceRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
         spans = []
         for resource_spans in request.resource_spans:
             resource = {a.key: _any_value(a.value) for a in resource_spans.resource.attributes}

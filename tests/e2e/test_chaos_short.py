@@ -89,7 +89,9 @@ def test_no_request_hung_or_was_truncated_and_failures_are_clean(result: ChaosRe
     assert not result.unexpected_failures, result.unexpected_failures[:5]
 
 
-def test_after_settling_no_block_leaked_no_ticket_left_and_no_late_write_landed(result: ChaosResult) -> None:
+def test_after_settling_no_block_leaked_no_ticket_left_and_no_late_write_landed(
+    result: ChaosResult,
+) -> None:
     assert result.audit is not None
     assert result.audit.is_ok, result.audit
     # Handoff checksums gathered through the run (killed workers' included): sent == accepted.

@@ -74,7 +74,9 @@ class Cluster:
     served: list[Result] = field(default_factory=list)
     """Every request the routers finished, over all tests (the durable windows must count them)."""
 
-    def worker_command(self, role: str, index: int, join_token: str, worker_id: str = "") -> list[str]:
+    def worker_command(
+        self, role: str, index: int, join_token: str, worker_id: str = ""
+    ) -> list[str]:
         args = ["serve", "worker", "--role", role, "--pool-address",
                 (self.prefill_pool if role == "prefill" else self.decode_pool).grpc_address,
                 "--coordinator-address", self.coordinator.grpc_address,
@@ -268,7 +270,9 @@ async def _done_tickets(cluster: Cluster) -> list[kv_transfer_pb2.Ticket]:
             timeout=10)).tickets)
 
 
-async def _list_workers(pool: ServiceProcess, role: int = pb.WORKER_ROLE_UNSPECIFIED) -> list[pb.WorkerInfo]:
+async def _list_workers(
+    pool: ServiceProcess, role: int = pb.WORKER_ROLE_UNSPECIFIED
+) -> list[pb.WorkerInfo]:
     """Workers of ``MODEL`` in the shared store, as ``pool`` lists them (unspecified role:
     both roles)."""
     async with grpc.aio.insecure_channel(pool.grpc_address) as channel:
@@ -289,7 +293,9 @@ async def _wait_settled(cluster: Cluster) -> Settled:
 # -- tests ------------------------------------------------------------------------------------
 
 
-async def test_concurrent_requests_over_both_routers_finish_and_free_every_block(cluster: Cluster) -> None:
+async def test_concurrent_requests_over_both_routers_finish_and_free_every_block(
+    cluster: Cluster,
+) -> None:
     rng = random.Random(20240611)
     lengths = _prompt_lengths(rng)
     prompts = [_prompt(rng, n) for n in lengths]
@@ -338,7 +344,9 @@ async def test_concurrent_requests_over_both_routers_finish_and_free_every_block
     assert {w.worker_id for w in settled.workers} == prefill_ids | decode_ids
 
 
-async def test_one_request_is_traced_through_router_coordinator_prefill_and_decode(cluster: Cluster) -> None:
+async def test_one_request_is_traced_through_router_coordinator_prefill_and_decode(
+    cluster: Cluster,
+) -> None:
     request_id = f"traced-{uuid.uuid4().hex}"
     async with grpc.aio.insecure_channel(cluster.routers[0].grpc_address) as channel:
         result = await _generate(router_pb2_grpc.RouterServiceStub(channel), "router-0",
@@ -388,7 +396,9 @@ async def test_bad_requests_are_refused_with_a_status_naming_the_field(
     for router in cluster.routers:
         async with grpc.aio.insecure_channel(router.grpc_address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in router_pb2_grpc.RouterServiceStub(channel).Generate(request, timeout=10):
+                async for _ in router_pb2_grpc.RouterServiceStub(channel).Generate(
+                    request, timeout=10
+                ):
                     pass
         assert caught.value.code() == code, caught.value
         assert field in caught.value.details(), caught.value.details()
@@ -398,8 +408,11 @@ async def test_bad_requests_are_refused_with_a_status_naming_the_field(
 async def test_worker_with_a_wrong_join_token_is_refused(cluster: Cluster,
                                                          processes: list[ServiceProcess]) -> None:
     intruder_id = f"p-intruder-{uuid.uuid4().hex[:6]}"
-    intruder = ServiceProcess("intruder", cluster.worker_command(
-        "prefill", 9, "wrong", worker_id=intruder_id), {**cluster.env, "PDSERVE_JOIN_TOKEN": "wrong"})
+    intruder = ServiceProcess(
+        "intruder",
+        cluster.worker_command("prefill", 9, "wrong", worker_id=intruder_id),
+        {**cluster.env, "PDSERVE_JOIN_TOKEN": "wrong"},
+    )
     processes.append(intruder.start())
     code = await asyncio.to_thread(intruder.wait_exit, 60.0)
     assert code != 0, intruder.describe()
@@ -436,9 +449,14 @@ async def test_durable_records_of_the_run_are_in_postgres(cluster: Cluster) -> N
 
     repository = Repository.from_url(cluster.database_url)
     try:
-        workers = {w.worker_id: role for role, group in (
-            (WorkerRole.PREFILL, cluster.prefill_workers), (WorkerRole.DECODE, cluster.decode_workers))
-                   for w in group}
+        workers = {
+            w.worker_id: role
+            for role, group in (
+                (WorkerRole.PREFILL, cluster.prefill_workers),
+                (WorkerRole.DECODE, cluster.decode_workers),
+            )
+            for w in group
+        }
         events = await asyncio.to_thread(
             _wait_until, lambda: repository.list_worker_events(deployment=MODEL, limit=1000),
             lambda rows: workers.keys() <= {r.worker_id for r in rows

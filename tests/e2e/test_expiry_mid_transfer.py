@@ -143,7 +143,9 @@ async def test_lease_lapsing_mid_transfer(transport: str) -> None:
 
         # -- a partitioned prefill worker's late frames are refused; nothing lands --
         dst_ids = list(dest.block_ids)
-        before = np.stack([buffer[dst_ids].copy() for buffer in decode.engine.kv_cache.layer_buffers])
+        before = np.stack(
+            [buffer[dst_ids].copy() for buffer in decode.engine.kv_cache.layer_buffers]
+        )
         num_rejections = receiver.num_rejections
         src_ids = list(range(len(dst_ids)))
         zombie = inner_backend.create_sender(prefill.engine.kv_cache)
@@ -156,7 +158,9 @@ async def test_lease_lapsing_mid_transfer(transport: str) -> None:
         assert receiver.num_rejections > num_rejections
         late = [r for r in receiver.rejections if r.token == token]
         assert late and {r.reason for r in late} == {RejectReason.CANCELLED}
-        after = np.stack([buffer[dst_ids].copy() for buffer in decode.engine.kv_cache.layer_buffers])
+        after = np.stack(
+            [buffer[dst_ids].copy() for buffer in decode.engine.kv_cache.layer_buffers]
+        )
         assert np.array_equal(after, before), "a late frame wrote into freed blocks"
 
         # -- the freed blocks serve the next request, with the tokens of a colocated run --

@@ -52,7 +52,9 @@ def _set_target(stack: Stack, role: str, num_workers: int) -> None:
 
 
 def _states(stack: Stack) -> collections.Counter[tuple[int, int]]:
-    return collections.Counter((w.role, w.state) for w in list_workers(stack.pool_address("decode")))
+    return collections.Counter(
+        (w.role, w.state) for w in list_workers(stack.pool_address("decode"))
+    )
 
 
 async def test_removing_half_of_each_pool_under_load_fails_no_request(

@@ -91,7 +91,9 @@ async def _grpc_request(stub: router_pb2_grpc.RouterServiceStub, prompt: list[in
         answer.kind = "ok"
     except grpc.aio.AioRpcError as exc:
         answer.answer_s = answer.answer_s or time.perf_counter() - started
-        answer.kind = "shed" if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED else exc.code().name
+        answer.kind = (
+            "shed" if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED else exc.code().name
+        )
         for key, value in exc.trailing_metadata() or ():
             if key == "retry-after-ms":
                 answer.retry_after_ms = int(value)

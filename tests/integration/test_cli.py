@@ -15,7 +15,9 @@ import sqlalchemy as sa
 from pdserve.cli.main import COMMANDS
 
 
-def _pdserve(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _pdserve(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True,
                           env={**base, **(env or {})}, timeout=timeout)

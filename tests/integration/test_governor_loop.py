@@ -233,8 +233,12 @@ async def test_list_decisions_over_grpc_newest_first(
     assert [d.role for d in only_decode.decisions] == [common_pb2.WORKER_ROLE_DECODE] * 2
     plan = (await stub.GetPlan(governor_pb2.GetPlanRequest(deployment=DEPLOYMENT),
                                timeout=10)).plan
-    assert plan.num_prefill_instances == [d for d in response.decisions
-                                          if d.role == common_pb2.WORKER_ROLE_PREFILL][0].target_instances
+    assert (
+        plan.num_prefill_instances
+        == [d for d in response.decisions if d.role == common_pb2.WORKER_ROLE_PREFILL][
+            0
+        ].target_instances
+    )
     assert plan.num_gpus == 4 * (plan.num_prefill_instances + plan.num_decode_instances)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.ListDecisions(governor_pb2.ListDecisionsRequest(deployment="nope"), timeout=10)

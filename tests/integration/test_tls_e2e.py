@@ -191,7 +191,9 @@ def _http(stack: Stack, path: str, body: bytes, key: str | None) -> int:
 
 def test_unauthenticated_clients_are_refused(stack: Stack) -> None:
     prompt = f"hello {MARKER} unauthenticated"
-    assert _code(lambda: stack.generate(_request(prompt), key=None)) is grpc.StatusCode.UNAUTHENTICATED
+    assert (
+        _code(lambda: stack.generate(_request(prompt), key=None)) is grpc.StatusCode.UNAUTHENTICATED
+    )
     assert _code(lambda: stack.generate(_request(prompt), key="ck-" + "0" * 32)) is (
         grpc.StatusCode.UNAUTHENTICATED)
     # No client certificate, or one from another CA: the TLS handshake itself fails.

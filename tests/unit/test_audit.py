@@ -6,8 +6,13 @@ from __future__ import annotations
 from pdserve.cli.audit import LedgerView, WorkerView, format_report, reconcile
 
 
-def _decode(worker_id: str, used: int, tokens: dict[str, int], checksums: dict[str, int] | None = None,
-            late: int = 0) -> WorkerView:
+def _decode(
+    worker_id: str,
+    used: int,
+    tokens: dict[str, int],
+    checksums: dict[str, int] | None = None,
+    late: int = 0,
+) -> WorkerView:
     return WorkerView(worker_id, "decode", used, 100, tokens, checksums or {}, late)
 
 
@@ -24,7 +29,11 @@ def test_matching_ledgers_tables_and_checksums_are_ok() -> None:
 def test_blocks_the_ledger_counts_but_the_worker_does_not_use_are_leaked() -> None:
     report = reconcile([LedgerView("d1", 100, 8, 0, {"t1:1": 8})], [_decode("d1", 0, {})])
     (row,) = report.decode
-    assert (row.leaked_blocks, row.unaccounted_blocks, row.tokens_only_in_ledger) == (8, 0, ("t1:1",))
+    assert (row.leaked_blocks, row.unaccounted_blocks, row.tokens_only_in_ledger) == (
+        8,
+        0,
+        ("t1:1",),
+    )
     assert not report.is_ok and report.leaked_blocks == 8
 
 

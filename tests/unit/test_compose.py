@@ -27,13 +27,20 @@ def _pdserve_services() -> dict[str, dict]:
 def test_compose_has_state_stores_trace_viewer_and_every_service() -> None:
     services = _compose()["services"]
     assert {"redis", "postgres", "jaeger"} <= set(services)
-    served = {svc["command"][1] for svc in _pdserve_services().values() if svc["command"][0] == "serve"}
+    served = {
+        svc["command"][1] for svc in _pdserve_services().values() if svc["command"][0] == "serve"
+    }
     assert served == set(SERVICES)
-    assert "4317" in str(services["jaeger"]) or services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert (
+        "4317" in str(services["jaeger"])
+        or services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(_pdserve_services()))
-def test_every_command_parses_into_valid_settings(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_command_parses_into_valid_settings(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     service = _pdserve_services()[name]
     environment = {k: str(v) for k, v in service["environment"].items()}
     args = build_parser().parse_args(service["command"])

@@ -249,7 +249,9 @@ def _is_map(fd: FieldDescriptor) -> bool:
     return bool(fd.message_type and fd.message_type.GetOptions().map_entry)
 
 
-def messages(descriptor: Descriptor, known: list[str], depth: int = 0) -> st.SearchStrategy[Message]:
+def messages(
+    descriptor: Descriptor, known: list[str], depth: int = 0
+) -> st.SearchStrategy[Message]:
     """Messages of ``descriptor`` with any subset of fields set to hostile values."""
     from google.protobuf import message_factory
 
@@ -261,7 +263,10 @@ def messages(descriptor: Descriptor, known: list[str], depth: int = 0) -> st.Sea
                 continue
             value = st.deferred(lambda fd=fd: messages(fd.message_type, known, depth + 1))
         elif _is_map(fd):
-            key_fd, value_fd = fd.message_type.fields_by_name["key"], fd.message_type.fields_by_name["value"]
+            key_fd, value_fd = (
+                fd.message_type.fields_by_name["key"],
+                fd.message_type.fields_by_name["value"],
+            )
             value_strategy = (messages(value_fd.message_type, known, depth + 1)
                               if value_fd.message_type else _scalar(value_fd, known))
             value = st.lists(st.tuples(_scalar(key_fd, known), value_strategy), max_size=4)
@@ -277,7 +282,9 @@ def messages(descriptor: Descriptor, known: list[str], depth: int = 0) -> st.Sea
         message = message_class()
         for name, value in values.items():
             fd = descriptor.fields_by_name[name]
-            target = getattr(message, name) if fd.message_type is not None or fd.is_repeated else None
+            target = (
+                getattr(message, name) if fd.message_type is not None or fd.is_repeated else None
+            )
             if _is_map(fd):
                 for key, item in value:
                     if isinstance(item, Message):

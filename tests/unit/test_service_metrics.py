@@ -48,4 +48,7 @@ async def test_pool_and_transfer_metrics_follow_the_state() -> None:
     await coordinator.update_progress(ticket.token, TicketState.DONE, record)
     assert _value("pdserve_transfer_ended_tickets_total",
                   {"deployment": "m-metrics", "outcome": "done"}) == before_done + 1
-    assert _value("pdserve_transfer_moved_bytes_total", {"deployment": "m-metrics"}) == before_bytes + 4096
+    assert (
+        _value("pdserve_transfer_moved_bytes_total", {"deployment": "m-metrics"})
+        == before_bytes + 4096
+    )

@@ -43,8 +43,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "reconcile decode ledgers with worker block tables; compare KV block checksums",
     ),
     "certs": ("pdserve.cli.certs", "make a development CA and mutual-TLS certificates"),
-    "models": ("pdserve.cli.models", "build model folders offline: SmolLM2-135M-Instruct, a tiny random Llama"),
-    "doctor": ("pdserve.cli.doctor", "check (and --fix) that this environment can run the vllm engine"),
+    "models": (
+        "pdserve.cli.models",
+        "build model folders offline: SmolLM2-135M-Instruct, a tiny random Llama",
+    ),
+    "doctor": (
+        "pdserve.cli.doctor",
+        "check (and --fix) that this environment can run the vllm engine",
+    ),
 }
 
 
