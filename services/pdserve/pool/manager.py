@@ -33,7 +33,7 @@ from pdserve.common.types import (
     WorkerState,
 )
 from pdserve.pool.lifecycle import is_legal
-from pdserve.pool.metrics import observe_pool
+from pdserve.pool.metrics import observe_ledger, observe_pool
 from pdserve.pool.provisioner import Provisioner, WorkerLaunch
 from pdserve.state.expert_loads import ExpertLoadReport, ExpertLoadStore, expert_load_store_for
 from pdserve.state.interfaces import StateBackend
@@ -219,9 +219,10 @@ class PoolManager:
             if beat.load.num_total_blocks > 0:
                 # Reconcile first: after a store loss it re-adopts the sequences the worker holds
                 # before any new ticket can reserve their blocks.
-                await self._backend.tickets.reconcile(
+                reconciled = await self._backend.tickets.reconcile(
                     BlockReport(beat.worker_id, beat.load.num_total_blocks, dict(beat.held_blocks))
                 )
+                observe_ledger(record.deployment, reconciled)
                 await self._backend.tickets.set_capacity(beat.worker_id, beat.load.num_total_blocks)
         if self.policy.role is WorkerRole.PREFILL and (
             beat.added_prefix_hashes or beat.removed_prefix_hashes or beat.is_full_prefix_report

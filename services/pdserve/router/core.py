@@ -41,6 +41,7 @@ from pdserve.router.admission import (
     snapshot_of,
 )
 from pdserve.router.clients import TicketClient, WorkerClients, iterate_stream
+from pdserve.router.metrics import REFUSALS
 from pdserve.router.policy import (
     DecodeCandidate,
     PrefillCandidate,
@@ -300,6 +301,7 @@ class Router:
             AdmissionRequest(request_id, request.tenant, num_tokens),
             snapshot_of(worker, num_tokens), self._clock())
         if not verdict.is_admitted:
+            REFUSALS.labels(request.model, request.tenant, verdict.outcome).inc()
             raise CapacityError(verdict.message, retry_after_s=verdict.retry_after_s)
 
     def _prefill_done(self, request_id: str, task: asyncio.Task[object] | None = None) -> None:
