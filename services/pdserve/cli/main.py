@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "reconcile decode ledgers with worker block tables; compare KV block checksums",
     ),
     "certs": ("pdserve.cli.certs", "make a development CA and mutual-TLS certificates"),
+    "health": ("pdserve.cli.health", "exit 0 when a service's gRPC health is SERVING (probes)"),
 }
 
 
