@@ -144,7 +144,7 @@ def check_requests(stack: Stack) -> None:
         wait_for(f"a READY {role} worker", lambda r=role: stack.ready(r), 180)
     wait_for("the router serving", lambda: stack.complete(-1), 120, 2.0)
     started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(stack.complete, i) for i in range(50)]
         errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:

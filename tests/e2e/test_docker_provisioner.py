@@ -40,6 +40,8 @@ from pdserve.pool.provisioner_docker import (  # noqa: E402
     DockerWorkerSpec,
 )
 
+# The first test may build the image (minutes, cold); the rest take about a minute each.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "docker-provisioner-test-join-token"
 GOOD, STUCK = "llama-3.1-8b", "stuck-model"
