@@ -34,7 +34,7 @@ from pdserve.common.errors import PdserveError
 from pdserve.pool.provisioner import WorkerLaunch
 
 if TYPE_CHECKING:
-    from kubernetes.client import ApiClient, AppsV1Api, CoreV1Api, V1Pod
+    from kubernetes.client import ApiClient, AppsV1Api, CoreV1Api, V1ObjectMeta, V1Pod
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class KubernetesProvisioner:
 
     async def handles(self, deployment: str, role: str) -> list[str]:
         pods = await asyncio.to_thread(self._live_pods, deployment, role)
-        return sorted(pod.metadata.name for pod in pods)
+        return sorted(_meta(pod).name or "" for pod in pods)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._api_client.close)
@@ -120,29 +120,30 @@ class KubernetesProvisioner:
         if len(found) != 1:
             raise ProvisionError(f"expected one worker Deployment labelled {selector} in "
                                  f"namespace {self.spec.namespace}, found {len(found)}")
-        return str(found[0].metadata.name)
+        return str(_meta(found[0]).name)
 
     def _live_pods(self, deployment: str, role: str) -> list[V1Pod]:
         selector = f"{LABEL_DEPLOYMENT}={deployment},{LABEL_ROLE}={role}"
         pods = self._core.list_namespaced_pod(self.spec.namespace, label_selector=selector).items
-        return [pod for pod in pods if pod.metadata.deletion_timestamp is None
+        return [pod for pod in pods if _meta(pod).deletion_timestamp is None
                 and (pod.status is None or pod.status.phase not in _ENDED_PHASES)]
 
     def _scale_by(self, name: str, delta: int) -> int:
         scale = self._apps.read_namespaced_deployment_scale(name, self.spec.namespace)
-        replicas = max(0, (scale.spec.replicas or 0) + delta)
+        current = (scale.spec.replicas if scale.spec is not None else None) or 0
+        replicas = max(0, current + delta)
         self._apps.patch_namespaced_deployment_scale(
             name, self.spec.namespace, {"spec": {"replicas": replicas}})
         return replicas
 
     def _start(self, launch: WorkerLaunch) -> str:
         name = self._deployment_name(launch.deployment, launch.role)
-        before = {pod.metadata.name for pod in self._live_pods(launch.deployment, launch.role)}
+        before = {_meta(pod).name for pod in self._live_pods(launch.deployment, launch.role)}
         replicas = self._scale_by(name, +1)
         deadline = time.monotonic() + self.spec.pod_appear_timeout_s
         while True:
             for pod in self._live_pods(launch.deployment, launch.role):
-                pod_name = str(pod.metadata.name)
+                pod_name = str(_meta(pod).name)
                 if pod_name not in before and pod_name not in self._claimed:
                     self._claimed.add(pod_name)
                     logger.info("scaled %s to %d: new %s worker pod %s", name, replicas,
@@ -169,9 +170,9 @@ class KubernetesProvisioner:
 
         self._claimed.discard(handle)
         pod = self._read_pod(handle)
-        if pod is None or pod.metadata.deletion_timestamp is not None:
+        if pod is None or _meta(pod).deletion_timestamp is not None:
             return
-        labels: dict[str, Any] = pod.metadata.labels or {}
+        labels: dict[str, Any] = _meta(pod).labels or {}
         name = self._deployment_name(labels.get(LABEL_DEPLOYMENT, ""), labels.get(LABEL_ROLE, ""))
         self._core.patch_namespaced_pod(handle, self.spec.namespace, {
             "metadata": {"annotations": {DELETION_COST: str(LOWEST_DELETION_COST)}}})
@@ -179,7 +180,7 @@ class KubernetesProvisioner:
         deadline = time.monotonic() + self.spec.removal_timeout_s
         while time.monotonic() < deadline:
             pod = self._read_pod(handle)
-            if pod is None or pod.metadata.deletion_timestamp is not None:
+            if pod is None or _meta(pod).deletion_timestamp is not None:
                 logger.info("scaled %s to %d, removing worker pod %s", name, replicas, handle)
                 return
             time.sleep(self.spec.poll_interval_s)
@@ -189,6 +190,13 @@ class KubernetesProvisioner:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def _meta(obj: Any) -> V1ObjectMeta:
+    """An API object's metadata, which the API server always sets on what it returns."""
+    meta: V1ObjectMeta | None = obj.metadata
+    assert meta is not None, f"{type(obj).__name__} without metadata"
+    return meta
 
 
 def _read_service_account_namespace() -> str:
