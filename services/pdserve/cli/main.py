@@ -51,6 +51,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pdserve.cli.doctor",
         "check (and --fix) that this environment can run the vllm engine",
     ),
+    "health": ("pdserve.cli.health", "exit 0 when a service's gRPC health is SERVING (probes)"),
 }
 
 

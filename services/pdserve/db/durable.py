@@ -45,6 +45,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from pdserve.common.errors import AlreadyExistsError, InvalidArgumentError
+from pdserve.common.metrics import gauge
 from pdserve.common.types import TransferRecord, WorkerRecord, WorkerState
 from pdserve.db.engine import is_sqlite_memory
 from pdserve.db.records import (
@@ -144,6 +145,12 @@ def spool_folder(base: Path | None, database_url: str) -> Path:
     return root / digest
 
 
+SPOOL_BYTES = gauge("durable", "spool", "bytes",
+                    "Records written to this process's spool file while the database was away, "
+                    "not yet replayed; growing for long = the database stays unreachable.",
+                    ["service"])
+
+
 class Spool:
     """This process's append-only spool file, held under an exclusive ``flock``."""
 
@@ -155,6 +162,7 @@ class Spool:
                               f"{uuid.uuid4().hex[:8]}{SPOOL_SUFFIX}")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._gauge = SPOOL_BYTES.labels(name)
         self.num_bytes = 0
 
     def append(self, lines: list[bytes]) -> None:
@@ -166,12 +174,14 @@ class Spool:
             view = view[written:]
         os.fsync(self._fd)
         self.num_bytes += len(data)
+        self._gauge.set(self.num_bytes)
 
     def truncate(self) -> None:
         if self.num_bytes:
             os.ftruncate(self._fd, 0)
             os.fsync(self._fd)
             self.num_bytes = 0
+            self._gauge.set(0)
 
     def close(self) -> None:
         """Release the file: removed when empty, else left for the next writer to adopt."""

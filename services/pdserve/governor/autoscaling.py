@@ -65,6 +65,7 @@ from pdserve.common.grpc_client import error_from_rpc_error
 from pdserve.common.types import Clock, Ticket, WorkerRecord, WorkerRole, WorkerState
 from pdserve.db.records import DeploymentRecord, ScalingAction, ScalingDecisionRecord
 from pdserve.db.repository import Repository
+from pdserve.governor.metrics import DECISIONS, TARGETS
 from pdserve.state.interfaces import StateBackend
 
 logger = logging.getLogger(__name__)
@@ -359,6 +360,9 @@ class CapacityGovernor:
         state.latest, state.latest_at_s = decision, now_s
         for record in records:
             state.decisions.append(record)
+            DECISIONS.labels(record.deployment, record.role, record.action,
+                             str(record.is_dry_run).lower()).inc()
+            TARGETS.labels(record.deployment, record.role).set(record.num_target_instances)
         if self._repository is not None:
             for record in records:
                 try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import time
+from collections.abc import Callable
 
 from pdserve.api.v1 import pool_pb2_grpc
 from pdserve.common.grpc_server import GrpcServer
@@ -15,7 +16,7 @@ from pdserve.db.durable import LifecycleSinkAdapter, open_durable
 from pdserve.pool.manager import LifecycleSink, PoolManager, PoolPolicy
 from pdserve.pool.provisioner import LocalProcessProvisioner, Provisioner
 from pdserve.pool.servicer import SERVICE_NAME, PoolServicer
-from pdserve.pool.settings import PoolSettings
+from pdserve.pool.settings import PoolSettings, ProvisionerKind
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
 from pdserve.state.stores import open_stores
@@ -36,6 +37,7 @@ class PoolApp:
             heartbeat_timeout_s=settings.heartbeat_timeout_s,
             record_ttl_s=max(60.0, settings.heartbeat_timeout_s * 4),
             launch_args={d: worker_args for d in settings.deployments},
+            ready_timeout_s=settings.worker_ready_timeout_s,
         )
         self.manager = PoolManager(
             policy, backend, prefix_index, clock, provisioner, lifecycle_sink
@@ -74,13 +76,47 @@ class PoolApp:
         await self.manager.close()
 
 
+def open_provisioner(settings: PoolSettings) -> Provisioner | None:
+    """The provisioner ``settings.provisioner`` names, or None without ``is_provisioning``.
+    Docker and Kubernetes need their client library (the ``docker``/``kubernetes`` extras).
+    ``worker_args`` go to each launch; the container image's command is ``pdserve``."""
+    if not settings.is_provisioning:
+        return None
+    if settings.provisioner is ProvisionerKind.DOCKER:
+        from pdserve.pool.provisioner_docker import DockerProvisioner, DockerWorkerSpec
+
+        spec = DockerWorkerSpec(image=settings.docker_image, scope=settings.docker_scope,
+                                network=settings.docker_network,
+                                num_gpus=settings.docker_gpus_per_worker)
+        return DockerProvisioner.from_url(spec, newest_join_token(settings), settings.docker_url,
+                                          is_removing_on_close=settings.is_removing_workers_on_close)
+    if settings.provisioner is ProvisionerKind.KUBERNETES:
+        from pdserve.pool.provisioner_kubernetes import KubernetesProvisioner
+
+        return KubernetesProvisioner.connect(settings.kubernetes_namespace,
+                                             settings.kubernetes_api_url)
+    return LocalProcessProvisioner()
+
+
+def newest_join_token(settings: PoolSettings) -> Callable[[], str]:
+    """The join token a new worker gets: the file's last line (a rotation appends the new token,
+    moves the workers over, then removes the old one), else ``join_token``."""
+    if settings.join_token_path is None:
+        return lambda: settings.join_token
+    from pdserve.common.auth import TokenFile
+
+    tokens = TokenFile(settings.join_token_path).tokens
+    return lambda: tokens()[-1]
+
+
 def build(settings: PoolSettings) -> GrpcService:
-    """A pool manager as its own process. With ``is_provisioning`` it starts local worker
-    processes, and its replicas share a lease so that one actuates at a time."""
+    """A pool manager as its own process. With ``is_provisioning`` it starts workers through
+    the provisioner its settings name, and its replicas share a lease so that one actuates at a
+    time."""
     stores = open_stores(settings.redis_url)
     durable = open_durable(settings.database_url, settings.durable_spool_dir,
                            settings.service_name, migrate=False)
-    provisioner = LocalProcessProvisioner() if settings.is_provisioning else None
+    provisioner = open_provisioner(settings)
     lease = (open_lease(stores.redis_client, f"pool-actuation:{settings.role}", holder_id())
              if provisioner is not None else None)
     app = PoolApp(settings, stores.backend, stores.prefix_index, time.time, provisioner,

@@ -35,7 +35,7 @@ from pdserve.common.types import (
     WorkerState,
 )
 from pdserve.pool.lifecycle import is_legal
-from pdserve.pool.metrics import observe_pool
+from pdserve.pool.metrics import observe_ledger, observe_pool
 from pdserve.pool.provisioner import Provisioner, WorkerLaunch
 from pdserve.state.expert_loads import ExpertLoadReport, ExpertLoadStore, expert_load_store_for
 from pdserve.state.interfaces import StateBackend
@@ -59,6 +59,9 @@ class PoolPolicy:
     actuate_interval_s: float = 1.0
     launch_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Per deployment, extra worker arguments for the provisioner."""
+    ready_timeout_s: float = 0.0
+    """A launched worker not READY this long after its launch (or its adoption by this
+    manager) is stopped and replaced; 0 = wait for ever. Longer than the slowest cold start."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,7 @@ class PoolManager:
         self._provisioner = provisioner
         self._lifecycle_sink = lifecycle_sink
         self._launched: dict[str, str] = {}  # worker_id -> deployment, launched and not yet gone
+        self._launched_at: dict[str, float] = {}  # worker_id -> clock() at launch or adoption
         self._registered: set[str] = set()  # launched workers seen in the store
 
     # -- membership ---------------------------------------------------------------------------
@@ -217,9 +221,10 @@ class PoolManager:
             if beat.load.num_total_blocks > 0:
                 # Reconcile first: after a store loss it re-adopts the sequences the worker holds
                 # before any new ticket can reserve their blocks.
-                await self._backend.tickets.reconcile(
+                reconciled = await self._backend.tickets.reconcile(
                     BlockReport(beat.worker_id, beat.load.num_total_blocks, dict(beat.held_blocks))
                 )
+                observe_ledger(record.deployment, reconciled)
                 await self._backend.tickets.set_capacity(beat.worker_id, beat.load.num_total_blocks)
         if self.policy.role is WorkerRole.PREFILL and (
             beat.added_prefix_hashes or beat.removed_prefix_hashes or beat.is_full_prefix_report
@@ -303,8 +308,7 @@ class PoolManager:
 
     async def _retire(self, record: WorkerRecord) -> None:
         if self._provisioner is not None and record.worker_id in self._launched:
-            self._launched.pop(record.worker_id, None)
-            self._registered.discard(record.worker_id)
+            self._forget(record.worker_id)
             await self._provisioner.stop(record.worker_id)
         await self._remove(record, "drained")
 
@@ -322,18 +326,32 @@ class PoolManager:
     # -- actuation ----------------------------------------------------------------------------
 
     async def actuate(self, deployments: Iterable[str]) -> None:
-        """Bring each deployment's pool to its target: start workers, or drain the least useful."""
+        """Bring each deployment's pool to its target: start workers, or drain the least useful;
+        replace launched workers that do not become READY in time."""
         if self._provisioner is None:
             return
         for deployment in deployments:
             target = await self._backend.targets.get_target(deployment, self.policy.role)
             if target is None:
                 continue
+            running = set(await self._provisioner.handles(deployment, self.policy.role.value))
+            for handle in sorted(running - self._launched.keys()):
+                # Started by an earlier pool manager process or another replica (containers and
+                # pods outlive it): adopted, so it counts as pending until it registers and is
+                # stopped once drained.
+                logger.info("adopting %s worker %s of %s", self.policy.role, handle, deployment)
+                self._launched[handle] = deployment
+                self._launched_at[handle] = self._clock()
             records = await self._backend.workers.list(deployment, self.policy.role)
+            for record in records:
+                if record.state is WorkerState.READY:
+                    self._launched_at.pop(record.worker_id, None)  # became ready: no deadline
+            if await self._replace_unready(deployment, records):
+                running = set(await self._provisioner.handles(deployment, self.policy.role.value))
+                records = await self._backend.workers.list(deployment, self.policy.role)
             known = {r.worker_id for r in records}
             live = [r for r in records if r.state in (
                 WorkerState.REGISTERING, WorkerState.LOADING, WorkerState.READY)]
-            running = set(self._provisioner.handles(deployment, self.policy.role.value))
             self._registered.update(w for w in self._launched if w in known)
             for worker_id in [w for w, d in self._launched.items()
                               if d == deployment and w not in known
@@ -341,26 +359,56 @@ class PoolManager:
                 # Gone without this replica seeing it leave (drained or removed, its last
                 # heartbeat handled by another replica; or died before registering): not
                 # pending. A drained process may still be shutting down: make sure it ends.
-                self._launched.pop(worker_id, None)
-                self._registered.discard(worker_id)
+                self._forget(worker_id)
                 if worker_id in running:
                     await self._provisioner.stop(worker_id)
             pending = [w for w, d in self._launched.items() if d == deployment and w not in known]
             num_live = len(live) + len(pending)
             for _ in range(target - num_live):
-                worker_id = f"{self.policy.role.value[0]}-{uuid.uuid4().hex[:12]}"
-                self._launched[worker_id] = deployment
-                await self._provisioner.start(WorkerLaunch(
-                    worker_id=worker_id, deployment=deployment, role=self.policy.role.value,
+                handle = await self._provisioner.start(WorkerLaunch(
+                    worker_id=f"{self.policy.role.value[0]}-{uuid.uuid4().hex[:12]}",
+                    deployment=deployment, role=self.policy.role.value,
                     args=self.policy.launch_args.get(deployment, ()),
                 ))
+                self._launched[handle] = deployment
+                self._launched_at[handle] = self._clock()
             for record in choose_drain_victims(live, num_live - target):
                 await self.drain(record.worker_id, "scale down")
             for record in records:
                 if record.state is WorkerState.FAILED and record.worker_id in self._launched:
-                    self._launched.pop(record.worker_id, None)
-                    self._registered.discard(record.worker_id)
+                    self._forget(record.worker_id)
                     await self._provisioner.stop(record.worker_id)
+
+    async def _replace_unready(self, deployment: str, records: list[WorkerRecord]) -> bool:
+        """Stop this deployment's launched workers that are not READY ``ready_timeout_s`` after
+        their launch (a hung engine, an image that cannot start): the rest of the actuation pass
+        starts replacements. ``_launched_at`` holds only workers never seen READY. Returns
+        whether it stopped any."""
+        timeout_s = self.policy.ready_timeout_s
+        if timeout_s <= 0 or self._provisioner is None:
+            return False
+        now = self._clock()
+        by_id = {r.worker_id: r for r in records}
+        stopped = False
+        for worker_id, launched_s in list(self._launched_at.items()):
+            record = by_id.get(worker_id)
+            if (self._launched.get(worker_id) != deployment or now - launched_s < timeout_s
+                    or (record is not None and record.state not in (
+                        WorkerState.REGISTERING, WorkerState.LOADING))):
+                continue  # not this deployment's, still in time, or leaving some other way
+            logger.warning("%s worker %s not READY %.0f s after launch: replacing it",
+                           self.policy.role, worker_id, timeout_s)
+            self._forget(worker_id)
+            await self._provisioner.stop(worker_id)
+            if record is not None:
+                await self._fail(record, "never became ready")
+            stopped = True
+        return stopped
+
+    def _forget(self, worker_id: str) -> None:
+        self._launched.pop(worker_id, None)
+        self._launched_at.pop(worker_id, None)
+        self._registered.discard(worker_id)
 
     async def run(self, stop: asyncio.Event, deployments: Iterable[str] = ()) -> None:
         """Health checks and actuation until ``stop`` is set."""

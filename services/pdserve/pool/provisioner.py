@@ -1,8 +1,15 @@
 """Provisioners start and stop worker instances for a pool manager.
 
 The pool manager decides *how many* and *which one to drain*; a provisioner only starts and
-stops. ``LocalProcessProvisioner`` runs sim (or tiny) workers as local processes; a Kubernetes
-provisioner comes later behind the same protocol.
+stops. ``LocalProcessProvisioner`` runs sim (or tiny) workers as local processes (``pdserve up``,
+one machine); ``provisioner_docker.DockerProvisioner`` runs one container per worker through a
+Docker engine; ``provisioner_kubernetes.KubernetesProvisioner`` scales one worker Deployment per
+deployment and role. ``pool.app`` picks one by the pool manager's ``provisioner`` setting.
+
+The guarantees stay with the pool manager: a worker leaves by draining first, and ``stop`` is
+called only for the drained worker (or one that failed, or never became ready), never for one
+still serving. Instances of the Docker and Kubernetes provisioners outlive the pool manager: a
+restarted (or newly elected) pool manager finds them again through ``handles`` and adopts them.
 """
 
 from __future__ import annotations
@@ -32,14 +39,23 @@ class WorkerLaunch:
 
 class Provisioner(Protocol):
     async def start(self, launch: WorkerLaunch) -> str:
-        """Start an instance; returns its handle, which is ``launch.worker_id``."""
+        """Start an instance; returns its handle, which is the worker id it registers under:
+        ``launch.worker_id`` where the provisioner can hand the worker its id (processes,
+        containers), the pod's name where it cannot (a Deployment's pods)."""
         ...
 
-    async def stop(self, handle: str) -> None: ...
+    async def stop(self, handle: str) -> None:
+        """Remove exactly this instance (drained, failed, or never ready); no-op if gone."""
+        ...
 
-    def handles(self, deployment: str, role: str) -> list[str]: ...
+    async def handles(self, deployment: str, role: str) -> list[str]:
+        """The instances of ``deployment`` and ``role`` that exist now (starting or running),
+        including those another pool manager process started."""
+        ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release what the provisioner holds (local processes end with it)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -110,7 +126,7 @@ class LocalProcessProvisioner:
         for task in child.tasks:
             task.cancel()
 
-    def handles(self, deployment: str, role: str) -> list[str]:
+    async def handles(self, deployment: str, role: str) -> list[str]:
         return [
             handle for handle, child in self._children.items()
             if child.launch.deployment == deployment and child.launch.role == role

@@ -51,6 +51,7 @@ from pdserve.common.types import FencingToken, TicketSpec, WorkerRole
 from pdserve.router.admission import AdmissionConfig, AdmissionPolicy, AdmissionRequest
 from pdserve.router.clients import TicketClient, WorkerClients, iterate_stream
 from pdserve.router.in_flight import InFlightLedger
+from pdserve.router.metrics import REFUSALS
 from pdserve.router.policy import (
     DecodeCandidate,
     PrefillCandidate,
@@ -334,6 +335,7 @@ class Router:
             AdmissionRequest(request_id, request.tenant, num_tokens),
             snapshot_of(worker, num_tokens), self._clock())
         if not verdict.is_admitted:
+            REFUSALS.labels(request.model, request.tenant, verdict.outcome).inc()
             raise CapacityError(verdict.message, retry_after_s=verdict.retry_after_s)
 
     # -- 3. one attempt: ticket, dispatch, decode stream --------------------------------------

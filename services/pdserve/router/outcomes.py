@@ -21,6 +21,7 @@ import numpy as np
 
 from pdserve.common.metrics import counter, gauge, histogram
 from pdserve.db.records import MissReason, RequestWindowRecord
+from pdserve.router.metrics import SLO_MISSES
 from pdserve.router.types import RequestOutcome
 
 logger = logging.getLogger(__name__)
@@ -95,9 +96,12 @@ class OutcomeAggregator:
             window.num_ttft_misses += ttft_miss
             window.num_tpot_misses += tpot_miss
             if ttft_miss:
-                window.misses[miss_reason(outcome, self._slo_ttft_s)] += 1
+                reason = miss_reason(outcome, self._slo_ttft_s)
+                window.misses[reason] += 1
+                SLO_MISSES.labels(model, reason).inc()
             elif tpot_miss:
                 window.misses[MissReason.COMPUTE] += 1
+                SLO_MISSES.labels(model, MissReason.COMPUTE).inc()
             else:
                 window.num_good += 1
             OUTCOMES.labels(model, "ok").inc()
