@@ -30,7 +30,8 @@ class GrpcControlPlane:
         self.worker_id = worker_id
         self._timeout_s = timeout_s
 
-    async def report(self, token: FencingToken, state: TicketState, timing: TransferTiming | None) -> None:
+    async def report(self, token: FencingToken, state: TicketState,
+                     timing: TransferTiming | None) -> None:
         request = kv_pb.UpdateProgressRequest(token=token_to_pb(token), state=_STATE_TO_PB[state],
                                               reporter_id=self.worker_id)
         if timing is not None:
@@ -42,7 +43,8 @@ class GrpcControlPlane:
             token=token_to_pb(token), lease_ms=int(lease_s * 1000)))
 
     async def release(self, token: FencingToken) -> None:
-        await self._call(self._stub.ReleaseTicket, kv_pb.ReleaseTicketRequest(token=token_to_pb(token)))
+        await self._call(self._stub.ReleaseTicket,
+                         kv_pb.ReleaseTicketRequest(token=token_to_pb(token)))
 
     async def _call(self, method, request) -> None:  # type: ignore[no-untyped-def]
         """Progress reports, renewals and releases are idempotent at the coordinator, so a call
@@ -59,10 +61,12 @@ class PoolClient:
         self._join_token = join_token
         self._timeout_s = timeout_s
 
-    async def register(self, info: pb.WorkerInfo, expected_cold_start_s: float) -> pool_pb2.RegisterResponse:
+    async def register(self, info: pb.WorkerInfo, expected_cold_start_s: float,
+                       tokenizer: pb.TokenizerBundle | None = None) -> pool_pb2.RegisterResponse:
         try:
             return await self._stub.Register(pool_pb2.RegisterRequest(
-                join_token=self._join_token, worker=info, expected_cold_start_s=expected_cold_start_s,
+                join_token=self._join_token, worker=info,
+                expected_cold_start_s=expected_cold_start_s, tokenizer=tokenizer,
             ), timeout=self._timeout_s)
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
@@ -70,12 +74,14 @@ class PoolClient:
     async def heartbeat(self, info: pb.WorkerInfo, state: WorkerState, load: WorkerLoad,
                         held_blocks: dict[str, int], added: list[int], removed: list[int],
                         is_full: bool, expert_token_counts: list[int] | None = None,
-                        num_moe_layers: int = 0) -> pool_pb2.HeartbeatResponse:
+                        num_moe_layers: int = 0,
+                        tokenizer: pb.TokenizerBundle | None = None) -> pool_pb2.HeartbeatResponse:
         request = pool_pb2.HeartbeatRequest(
             worker_id=info.worker_id, state=worker_state_to_pb(state), load=load_to_pb(load),
             added_prefix_hashes=added, removed_prefix_hashes=removed,
             is_full_prefix_report=is_full, join_token=self._join_token, worker=info,
             expert_token_counts=expert_token_counts or [], num_moe_layers=num_moe_layers,
+            tokenizer=tokenizer,
         )
         for key, num_blocks in held_blocks.items():
             token = FencingToken.parse(key)
