@@ -1,8 +1,10 @@
 """The package's own tokenizer: byte-level, self-contained, no downloads.
 
-Every service that counts tokens (router admission, context limits, ``usage``, prefix hashes) uses
-this module, so all of them agree with each other and with the ``tiny`` engine, whose vocabulary
-is exactly this one.
+The tokenizer of every deployment whose workers ship none of their own (``sim`` and ``tiny``):
+the router counts tokens with it (admission, context limits, ``usage``, prefix hashes), so all
+services agree with each other and with the ``tiny`` engine, whose vocabulary is exactly this one.
+Workers that serve a real model ship its tokenizer instead (``pdserve.common.tokenizer_bundle``).
+The ``Tokenizer`` protocol here is what both kinds provide.
 
 Token ids:
 
