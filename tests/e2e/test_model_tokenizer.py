@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
+import redis
 import tokenizers
 from helpers.tokenizers import build_tokenizer_folder
 
@@ -45,7 +46,9 @@ class Stack:
     router: ServiceProcess
     library: tokenizers.Tokenizer
     """The model's tokenizer as the ``tokenizers`` library loads it from the folder."""
-    folder: Path
+    router_command: list[str]
+    env: dict[str, str]
+    redis_url: str
 
 
 def chatml(messages: list[dict[str, str]]) -> str:
@@ -79,9 +82,9 @@ def stack(e2e_redis_url: str, e2e_database_url: str, processes: list[ServiceProc
         processes.append(process.start())
     for process in (coordinator, *pools):
         process.wait_ready()
-    router = ServiceProcess("router", [
-        "serve", "router", "--coordinator-address", coordinator.grpc_address,
-        "--http-port", "0", "--is-shedding-enabled", "false"], env)
+    router_command = ["serve", "router", "--coordinator-address", coordinator.grpc_address,
+                      "--http-port", "0", "--is-shedding-enabled", "false"]
+    router = ServiceProcess("router", router_command, env)
     workers = [ServiceProcess(f"{role}-worker", [
         "serve", "worker", "--role", role, "--pool-address", pool.grpc_address,
         "--coordinator-address", coordinator.grpc_address, "--tokenizer-path", str(folder),
@@ -91,16 +94,20 @@ def stack(e2e_redis_url: str, e2e_database_url: str, processes: list[ServiceProc
         processes.append(process.start())
     for process in (router, *workers):
         process.wait_ready()
+    _wait_for_workers(router)
+    library = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    yield Stack(router, library, router_command, env, e2e_redis_url)
+
+
+def _wait_for_workers(router: ServiceProcess) -> None:
     deadline = time.monotonic() + 30.0
     while _context_of(router) == 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _context_of(router) == MAX_MODEL_LEN, router.describe()
-    library = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-    yield Stack(router, library, folder)
 
 
-def _client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.router.http_url}/v1", api_key="unused",
+def _client(stack: Stack, router: ServiceProcess | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{(router or stack.router).http_url}/v1", api_key="unused",
                          max_retries=0, timeout=30.0)
 
 
@@ -191,3 +198,31 @@ def test_a_worker_with_a_bad_tokenizer_folder_stops_naming_it(stack: Stack,
                       "--tokenizer-path", str(missing)])
     assert result.returncode != 0
     assert str(missing) in result.stderr, result.stderr
+
+
+def test_after_a_store_loss_the_workers_send_their_tokenizer_again(
+    stack: Stack, processes: list[ServiceProcess],
+) -> None:
+    """Everything in Redis is lost; the workers are re-adopted by their next heartbeats and asked
+    for their bundles, so a router started afterwards (which has never seen the tokenizer) loads
+    it from the store and counts with it."""
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    late = ServiceProcess("late-router", stack.router_command, stack.env)
+    processes.append(late.start())
+    late.wait_ready()
+    _wait_for_workers(late)
+    reply = None
+    for _ in range(50):  # the bundle is back one heartbeat after the re-adoption
+        try:
+            reply = _client(stack, late).chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0.0)
+            break
+        except openai.InternalServerError:  # 503: the tokenizer is not in the store yet
+            time.sleep(0.2)
+    assert reply is not None and reply.usage is not None, late.describe()
+    expected = stack.library.encode(chatml(MESSAGES), add_special_tokens=False).ids
+    assert reply.usage.prompt_tokens == len(expected)
