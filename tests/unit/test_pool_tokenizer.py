@@ -12,7 +12,7 @@ from helpers.tokenizers import build_tokenizer_folder
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2
-from pdserve.common.errors import InvalidArgumentError
+from pdserve.common.errors import InvalidArgumentError, UnauthenticatedError
 from pdserve.common.tokenizer_bundle import TokenizerBundle, bundle_from_folder, bundle_to_pb
 from pdserve.common.types import WorkerRole
 from pdserve.pool.manager import PoolManager, PoolPolicy
@@ -94,6 +94,15 @@ async def test_after_a_store_restart_the_worker_is_asked_for_its_bundle(
         heartbeat(info, bundle_to_pb(bundle)), None)
     assert not beat.should_send_tokenizer
     assert await restarted.backend.tokenizers.get(bundle.sha256) == bundle
+
+
+async def test_only_members_may_send_a_bundle_with_a_heartbeat(bundle: TokenizerBundle) -> None:
+    target = pool(StepClock())
+    request = heartbeat(worker(bundle.sha256, worker_id="d-1"), bundle_to_pb(bundle))
+    request.join_token = "wrong"
+    with pytest.raises(UnauthenticatedError):
+        await target.servicer.Heartbeat(request, None)
+    assert await target.backend.tokenizers.get(bundle.sha256) is None
 
 
 async def test_workers_without_a_tokenizer_are_never_asked() -> None:

@@ -200,6 +200,7 @@ class PoolManager:
                                              np.asarray(beat.expert_token_counts))
         tokenizer_sha256 = beat.registration.tokenizer_sha256 if beat.registration else ""
         if beat.tokenizer is not None:
+            self._check_token(beat.join_token)  # only members may put bundles in the store
             await self._accept_tokenizer(tokenizer_sha256, beat.tokenizer)
         record = await self._backend.workers.get(beat.worker_id)
         was_readopted = False
