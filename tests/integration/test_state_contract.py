@@ -7,6 +7,7 @@ Time is a ``StepClock`` injected into the backend; leases and retention move onl
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pdserve.common.errors import (
     NotFoundError,
     StaleTokenError,
 )
+from pdserve.common.tokenizer_bundle import TokenizerBundle
 from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
@@ -668,6 +670,57 @@ async def test_targets(harness: Harness) -> None:
     with pytest.raises(InvalidArgumentError):
         await targets.set_target("llama", WorkerRole.DECODE, -1)
     assert await harness.backend.ping()
+
+
+# -- tokenizer bundles ------------------------------------------------------------------------
+
+
+def bundle(name: str = "a") -> TokenizerBundle:
+    return TokenizerBundle(
+        tokenizer_json=json.dumps({"model": name, "text": "héllo 🙂"}).encode(),
+        chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        bos_token="<s>", eos_token="</s>", pad_token="", max_model_len=4096)
+
+
+async def test_tokenizer_bundles_are_stored_by_digest(harness: Harness) -> None:
+    store = harness.backend.tokenizers
+    first, second = bundle("a"), bundle("b")
+    assert await store.get(first.sha256) is None
+    assert not await store.touch(first.sha256, ttl_s=30.0)
+    await store.put(first, ttl_s=30.0)
+    await store.put(second, ttl_s=30.0)
+    got = await store.get(first.sha256)
+    assert got == first and got is not None and got.sha256 == first.sha256
+    assert await store.get(second.sha256) == second
+    await store.put(first, ttl_s=30.0)  # a second worker of the same model: same entry
+    assert await store.get(first.sha256) == first
+    with pytest.raises(InvalidArgumentError):
+        await store.get("")
+    with pytest.raises(InvalidArgumentError):
+        await store.put(first, ttl_s=0.0)
+
+
+async def test_tokenizer_bundles_expire_unless_touched(harness: Harness) -> None:
+    store, clock = harness.backend.tokenizers, harness.clock
+    kept, dropped = bundle("kept"), bundle("dropped")
+    await store.put(kept, ttl_s=10.0)
+    await store.put(dropped, ttl_s=10.0)
+    clock.advance(9.0)
+    assert await store.touch(kept.sha256, ttl_s=10.0)
+    clock.advance(1.0)
+    assert await store.get(dropped.sha256) is None
+    assert not await store.touch(dropped.sha256, ttl_s=10.0)  # never revives it
+    assert await store.get(dropped.sha256) is None
+    assert await store.get(kept.sha256) == kept
+    clock.advance(10.0)
+    assert await store.get(kept.sha256) is None
+
+
+async def test_tokenizer_bundles_are_lost_with_the_store(harness: Harness) -> None:
+    await harness.backend.tokenizers.put(bundle(), ttl_s=30.0)
+    backend = await harness.lose_state()
+    assert await backend.tokenizers.get(bundle().sha256) is None
+    assert not await backend.tokenizers.touch(bundle().sha256, ttl_s=30.0)
 
 
 def test_keys_one_script_touches_share_a_cluster_slot() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.tokenizers import OneTokenizer
 
 from pdserve.api.v1 import (
     governor_pb2,
@@ -265,7 +266,7 @@ async def stack(pki: Pki, tmp_path: Path) -> AsyncIterator[Stack]:
     backend = RecordingBackend()
     server.add_servicer("pdserve.api.v1.RouterService",
                         router_pb2_grpc.add_RouterServiceServicer_to_server,
-                        RouterServicer(backend, ByteTokenizer()))
+                        RouterServicer(backend, OneTokenizer(ByteTokenizer())))
     server.add_servicer("pdserve.api.v1.PoolService",
                         pool_pb2_grpc.add_PoolServiceServicer_to_server, FakePool())
     port = await server.start()
@@ -434,7 +435,8 @@ async def test_http_api_keys_map_to_tenants_and_reload(tmp_path: Path) -> None:
     path = tmp_path / "api_keys"
     _write(path, f"{CLIENT_KEY} acme\n")
     backend = RecordingBackend()
-    app = create_app(backend, ByteTokenizer(), api_keys=KeyFile(path, poll_interval_s=0.0))
+    app = create_app(backend, OneTokenizer(ByteTokenizer()),
+                     api_keys=KeyFile(path, poll_interval_s=0.0))
     runner, port = await start_http_server(app, "127.0.0.1", 0)
     body = {"model": "m", "prompt": "hi", "max_tokens": 1}
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from helpers.tokenizers import OneTokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,7 +107,8 @@ class FakeBackend:
 async def serve(
     backend: FakeBackend, **options: Any
 ) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
-    app = create_app(backend, TOKENIZER, clock=lambda: 1_700_000_000.5, **options)
+    app = create_app(backend, OneTokenizer(TOKENIZER), clock=lambda: 1_700_000_000.5,
+                     **options)
     runner, port = await start_http_server(app, "127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession() as session:

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.common import hf_tokenizer
 from pdserve.common import tokenizer as tk
-from pdserve.common.errors import InvalidArgumentError
+from pdserve.common.errors import ConfigError, InvalidArgumentError
 
 # Any text that can be UTF-8 encoded (no lone surrogates).
 _TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200)
@@ -262,10 +263,9 @@ def _exported_hf_tokenizer():  # type: ignore[no-untyped-def]
     return _HF_CACHE["hf"]
 
 
-def test_load_reads_a_local_tokenizer(tmp_path: Path) -> None:
-    pytest.importorskip("tokenizers")
+def test_exported_folder_loads_as_a_model_tokenizer(tmp_path: Path) -> None:
     tk.export(tmp_path)
-    loaded = tk.load(tmp_path)
+    loaded = hf_tokenizer.load(tmp_path)
     assert isinstance(loaded, tk.Tokenizer)
     assert loaded.vocab_size == tk.VOCAB_SIZE
     assert loaded.eos_token_id == tk.EOS_ID
@@ -274,11 +274,25 @@ def test_load_reads_a_local_tokenizer(tmp_path: Path) -> None:
     assert loaded.encode(text) == tk.encode(text)
     assert loaded.count(text) == tk.count(text)
     assert loaded.decode(tk.encode(text)) == tk.decode(tk.encode(text))
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "héllo"}]
+    assert loaded.render_chat(messages) == tk.render_chat_prompt(messages)
 
 
-def test_load_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        tk.load(tmp_path / "nope")
+def test_load_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope"):
+        hf_tokenizer.load(tmp_path / "nope")
+
+
+def test_byte_stream_releases_whole_characters() -> None:
+    text = "é🙂 <|eos|>x"
+    stream = tk.DEFAULT_TOKENIZER.decode_stream()
+    pieces = [stream.push([token_id]) for token_id in tk.encode(text)]
+    pieces.append(stream.finish())
+    assert "".join(pieces) == tk.decode(tk.encode(text))
+    assert [p for p in pieces if p] == ["é", "🙂", " ", "x"]
+    truncated = tk.DEFAULT_TOKENIZER.decode_stream()
+    assert truncated.push(tk.encode("🙂")[:2]) == ""
+    assert truncated.finish() == "\ufffd"
 
 
 def test_byte_tokenizer_satisfies_protocol() -> None:

@@ -1,8 +1,10 @@
 """The package's own tokenizer: byte-level, self-contained, no downloads.
 
-Every service that counts tokens (router admission, context limits, ``usage``, prefix hashes) uses
-this module, so all of them agree with each other and with the ``tiny`` engine, whose vocabulary
-is exactly this one.
+The tokenizer of every deployment whose workers ship none of their own (``sim`` and ``tiny``):
+the router counts tokens with it (admission, context limits, ``usage``, prefix hashes), so all
+services agree with each other and with the ``tiny`` engine, whose vocabulary is exactly this one.
+Workers that serve a real model ship its tokenizer instead (``pdserve.common.tokenizer_bundle``).
+The ``Tokenizer`` protocol here is what both kinds provide.
 
 Token ids:
 
@@ -21,8 +23,8 @@ yields real BOS/EOS ids and the exported Hugging Face tokenizer gives the same i
 
 ``export(dir)`` writes a Hugging Face tokenizer folder (``tokenizer.json``,
 ``tokenizer_config.json``, ``special_tokens_map.json``) so that OpenAI-HTTP load generators can
-count tokens locally with ``AutoTokenizer.from_pretrained(dir)``. ``load(path)`` does the reverse
-for a real model's ``tokenizer.json`` when the optional ``tokenizers`` package is installed.
+count tokens locally with ``AutoTokenizer.from_pretrained(dir)``. A real model's tokenizer is
+``pdserve.common.hf_tokenizer.HfTokenizer``, behind the same ``Tokenizer`` protocol.
 
 ``prefix_block_hashes`` chains a stable 64-bit hash over full blocks of token ids; routers compare
 these with the hashes a worker reports to estimate prefix-cache overlap.
@@ -30,6 +32,7 @@ these with the hashes a worker reports to estimate prefix-cache overlap.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import re
@@ -71,16 +74,31 @@ _HASH_DIGEST_BYTES = 8
 _HASH_ROOT = bytes(_HASH_DIGEST_BYTES)
 
 
+class TextStream(Protocol):
+    """Text of a growing token sequence, released in whole characters (never half of one)."""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; returns the text they complete (empty while a character is incomplete)."""
+        ...
+
+    def finish(self) -> str:
+        """The sequence ended: everything not yet released (an incomplete character as U+FFFD)."""
+        ...
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What services need from a tokenizer: ids in, ids out, counts."""
+    """What services need from a tokenizer: ids in, ids out, counts, chat prompts, streaming."""
 
     vocab_size: int
     bos_token_id: int | None
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; adds nothing (no BOS) that the text does not contain."""
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. ``add_special_tokens`` adds what the tokenizer's own
+        post-processor adds around a raw prompt (a model's BOS; nothing for ``ByteTokenizer``);
+        without it nothing is added that the text does not contain (a rendered chat prompt
+        carries its own BOS)."""
         ...
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -89,6 +107,17 @@ class Tokenizer(Protocol):
 
     def count(self, text: str) -> int:
         """``len(encode(text))``, possibly without building the list."""
+        ...
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """OpenAI-style chat messages as one prompt string, in this model's chat format.
+        Raises ``InvalidArgumentError`` naming the field (``messages[i].role``, ``messages``)."""
+        ...
+
+    def decode_stream(self, *, skip_special_tokens: bool = True) -> TextStream:
+        """A fresh incremental decoder: the text of tokens as they are generated."""
         ...
 
 
@@ -100,7 +129,9 @@ class ByteTokenizer:
     eos_token_id: int | None = EOS_ID
     pad_token_id: int | None = PAD_ID
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """UTF-8 bytes, special strings as their ids; ``add_special_tokens`` adds nothing (this
+        tokenizer has no post-processor: a prompt starts where its text starts)."""
         if "<|" not in text:  # fast path: no special token can occur
             return list(text.encode("utf-8"))
         token_ids: list[int] = []
@@ -119,48 +150,54 @@ class ByteTokenizer:
         else rendered as their (ASCII) strings in place. Same result as the exported Hugging Face
         tokenizer's ``decode``. Raises ``InvalidArgumentError`` for an id outside the vocabulary.
         """
-        data = bytearray()
-        for token_id in token_ids:
-            if 0 <= token_id < NUM_BYTE_TOKENS:
-                data.append(token_id)
-                continue
-            special = SPECIAL_ID_TO_TOKEN.get(token_id)
-            if special is None:
-                raise InvalidArgumentError(
-                    f"token id {token_id} is outside the vocabulary [0, {VOCAB_SIZE})",
-                    field="token_ids",
-                )
-            if not skip_special_tokens:
-                data += special.encode("ascii")
-        return data.decode("utf-8", errors="replace")
+        return _token_bytes(token_ids, skip_special_tokens).decode("utf-8", errors="replace")
 
     def count(self, text: str) -> int:
         if "<|" not in text:
             return len(text.encode("utf-8"))
         return len(self.encode(text))
 
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        return render_chat_prompt(messages, add_generation_prompt=add_generation_prompt)
 
-class HfFileTokenizer:
-    """A real model's ``tokenizer.json`` through the ``tokenizers`` package (see ``load``).
+    def decode_stream(self, *, skip_special_tokens: bool = True) -> TextStream:
+        return _ByteTextStream(skip_special_tokens)
 
-    ``encode`` adds no template specials (``add_special_tokens=False``), matching ``ByteTokenizer``:
-    a chat prompt carries its BOS in the rendered text.
-    """
 
-    def __init__(self, backend: Any, *, bos_token_id: int | None, eos_token_id: int | None) -> None:
-        self._backend = backend
-        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
+class _ByteTextStream:
+    """Byte tokens through an incremental UTF-8 decoder: a character is released when its last
+    byte arrives, an invalid byte at once as U+FFFD (the same text as ``decode`` of the whole)."""
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._backend.encode(text, add_special_tokens=False).ids)
+    def __init__(self, skip_special_tokens: bool) -> None:
+        self._is_skipping_specials = skip_special_tokens
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+    def push(self, token_ids: Sequence[int]) -> str:
+        return str(self._decoder.decode(_token_bytes(token_ids, self._is_skipping_specials)))
 
-    def count(self, text: str) -> int:
-        return len(self._backend.encode(text, add_special_tokens=False).ids)
+    def finish(self) -> str:
+        return str(self._decoder.decode(b"", final=True))
+
+
+def _token_bytes(token_ids: Sequence[int], skip_special_tokens: bool) -> bytes:
+    """The bytes of byte-tokenizer ids, specials as their strings unless skipped. Raises
+    ``InvalidArgumentError`` for an id outside the vocabulary."""
+    data = bytearray()
+    for token_id in token_ids:
+        if 0 <= token_id < NUM_BYTE_TOKENS:
+            data.append(token_id)
+            continue
+        special = SPECIAL_ID_TO_TOKEN.get(token_id)
+        if special is None:
+            raise InvalidArgumentError(
+                f"token id {token_id} is outside the vocabulary [0, {VOCAB_SIZE})",
+                field="token_ids",
+            )
+        if not skip_special_tokens:
+            data += special.encode("ascii")
+    return bytes(data)
 
 
 DEFAULT_TOKENIZER = ByteTokenizer()
@@ -205,14 +242,17 @@ def render_chat_prompt(
             raise InvalidArgumentError(
                 "role must be a non-empty single-line string", field=f"messages[{index}].role"
             )
-        content = _content_text(message.get("content"), field=f"messages[{index}].content")
+        content = content_text(message.get("content"), field=f"messages[{index}].content")
         parts.append(f"{BOS_TOKEN}{role}\n{content}{EOS_TOKEN}\n")
     if add_generation_prompt:
         parts.append(f"{BOS_TOKEN}assistant\n")
     return "".join(parts)
 
 
-def _content_text(content: Any, *, field: str) -> str:
+def content_text(content: Any, *, field: str, separator: str = "") -> str:
+    """A message's ``content`` as one string: a string as it is, text parts joined with
+    ``separator``, ``None`` (an assistant turn with tool calls) empty. Raises
+    ``InvalidArgumentError`` (``field``) for anything else, other part types included."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -227,7 +267,7 @@ def _content_text(content: Any, *, field: str) -> str:
             ):
                 raise InvalidArgumentError("only text content parts are supported", field=field)
             texts.append(part["text"])
-        return "".join(texts)
+        return separator.join(texts)
     raise InvalidArgumentError("content must be a string or a list of text parts", field=field)
 
 
@@ -353,43 +393,3 @@ def export(directory: str | Path, *, model_max_length: int | None = None) -> Pat
 
 def _write_json(path: Path, document: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(document, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-
-
-def load(path: str | Path) -> Tokenizer:
-    """Load a local ``tokenizer.json`` (or a folder holding one) through ``tokenizers``.
-
-    BOS/EOS ids come from a ``tokenizer_config.json`` beside it when present. Never downloads.
-    Raises ``FileNotFoundError`` if there is no such file and ``ImportError`` if the optional
-    ``tokenizers`` package is not installed.
-    """
-    file_path = Path(path)
-    if file_path.is_dir():
-        file_path = file_path / "tokenizer.json"
-    if not file_path.is_file():
-        raise FileNotFoundError(f"no tokenizer.json at {file_path}")
-    try:
-        from tokenizers import Tokenizer as _HfTokenizer
-    except ImportError as exc:
-        raise ImportError(
-            "loading a model's tokenizer.json needs the optional 'tokenizers' package"
-        ) from exc
-    backend = _HfTokenizer.from_file(str(file_path))
-    config_path = file_path.with_name("tokenizer_config.json")
-    config: dict[str, Any] = {}
-    if config_path.is_file():
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    return HfFileTokenizer(
-        backend,
-        bos_token_id=_special_id(backend, config.get("bos_token")),
-        eos_token_id=_special_id(backend, config.get("eos_token")),
-    )
-
-
-def _special_id(backend: Any, token: Any) -> int | None:
-    """Id of a special named in ``tokenizer_config.json`` (a string or an AddedToken dict)."""
-    if isinstance(token, Mapping):
-        token = token.get("content")
-    if not isinstance(token, str):
-        return None
-    token_id = backend.token_to_id(token)
-    return int(token_id) if token_id is not None else None

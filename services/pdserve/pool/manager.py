@@ -23,7 +23,9 @@ from pdserve.common.errors import (
     NotFoundError,
     UnauthenticatedError,
 )
+from pdserve.common.hf_tokenizer import HfTokenizer
 from pdserve.common.leadership import LeaderElector
+from pdserve.common.tokenizer_bundle import TokenizerBundle
 from pdserve.common.types import (
     BlockReport,
     Clock,
@@ -73,6 +75,10 @@ class Registration:
     num_total_blocks: int = 0
     spec: bytes = b""
     state: WorkerState = WorkerState.REGISTERING
+    tokenizer_sha256: str = ""
+    """Digest of the tokenizer the worker serves (``WorkerInfo.tokenizer_sha256``); "" = none."""
+    tokenizer: TokenizerBundle | None = None
+    """The bundle itself, sent with ``Register`` (not when a heartbeat rebuilds the record)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,8 @@ class Heartbeat:
     expert_token_counts: tuple[int, ...] = ()
     """MoE workers: tokens per (layer, expert) since the last report, flattened."""
     num_moe_layers: int = 0
+    tokenizer: TokenizerBundle | None = None
+    """The worker's tokenizer, sent because the previous directives asked for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,8 @@ class HeartbeatDirectives:
     should_drain: bool = False
     was_readopted: bool = False
     should_send_full_prefix_report: bool = False
+    should_send_tokenizer: bool = False
+    """The store lacks the worker's tokenizer bundle (lost with a store restart)."""
 
 
 class LifecycleSink(Protocol):
@@ -159,6 +169,8 @@ class PoolManager:
                 "worker.kv_layout.num_blocks: a decode worker must report its KV blocks",
                 field="worker.kv_layout.num_blocks",
             )
+        if registration.tokenizer is not None:
+            await self._accept_tokenizer(registration.tokenizer_sha256, registration.tokenizer)
         worker_id = registration.worker_id or f"{self.policy.role.value[0]}-{uuid.uuid4().hex[:12]}"
         now = self._clock()
         previous = await self._backend.workers.get(worker_id)
@@ -190,6 +202,10 @@ class PoolManager:
             # Validated before anything changes: a malformed report refuses the whole heartbeat.
             expert_report = ExpertLoadReport(beat.worker_id, beat.num_moe_layers,
                                              np.asarray(beat.expert_token_counts))
+        tokenizer_sha256 = beat.registration.tokenizer_sha256 if beat.registration else ""
+        if beat.tokenizer is not None:
+            self._check_token(beat.join_token)  # only members may put bundles in the store
+            await self._accept_tokenizer(tokenizer_sha256, beat.tokenizer)
         record = await self._backend.workers.get(beat.worker_id)
         was_readopted = False
         if record is None or record.state is WorkerState.FAILED:
@@ -235,6 +251,8 @@ class PoolManager:
             )
         if expert_report is not None:
             await self._expert_loads.append(record.deployment, self.policy.role, expert_report)
+        should_send_tokenizer = bool(tokenizer_sha256) and not await (
+            self._backend.tokenizers.touch(tokenizer_sha256, self.policy.record_ttl_s))
         await self._publish_upsert(record)
         if state is WorkerState.DRAINED:
             await self._retire(record)
@@ -242,7 +260,28 @@ class PoolManager:
             should_drain=should_drain or record.state is WorkerState.DRAINING,
             was_readopted=was_readopted,
             should_send_full_prefix_report=was_readopted,
+            should_send_tokenizer=should_send_tokenizer,
         )
+
+    async def _accept_tokenizer(self, tokenizer_sha256: str, bundle: TokenizerBundle) -> None:
+        """Keep a worker's tokenizer bundle in the store, where routers load it by digest; it
+        lives as long as a worker record (every heartbeat of a worker serving it extends it).
+
+        A bundle already stored is only refreshed (equal digests are equal content); a new one
+        must load as the routers will load it (``HfTokenizer.from_bundle``, in a thread: a large
+        vocabulary takes about a second). Raises ``InvalidArgumentError`` naming the field: the
+        worker's advertised digest must be the bundle's, and the bundle must load.
+        """
+        if tokenizer_sha256 != bundle.sha256:
+            raise InvalidArgumentError(
+                f"worker.tokenizer_sha256: {tokenizer_sha256!r} is not the digest of the "
+                f"tokenizer sent ({bundle.sha256})", field="worker.tokenizer_sha256")
+        store, ttl_s = self._backend.tokenizers, self.policy.record_ttl_s
+        if await store.touch(bundle.sha256, ttl_s):
+            return
+        await asyncio.to_thread(HfTokenizer.from_bundle, bundle)
+        await store.put(bundle, ttl_s)
+        logger.info("tokenizer %s stored (%d bytes)", bundle.sha256[:12], bundle.num_bytes)
 
     async def deregister(self, worker_id: str) -> None:
         record = await self._backend.workers.get(worker_id)

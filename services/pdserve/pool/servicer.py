@@ -16,6 +16,7 @@ from pdserve.common.convert import (
     worker_to_pb,
 )
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
+from pdserve.common.tokenizer_bundle import TokenizerBundle, bundle_from_pb
 from pdserve.common.types import FencingToken, PoolEventKind, WorkerRecord, WorkerRole, WorkerState
 from pdserve.pool.manager import Heartbeat, PoolManager, Registration
 from pdserve.state.interfaces import PoolEventStream, WorkerStore
@@ -30,7 +31,8 @@ _KIND_TO_PB = {
 
 
 def registration_from_pb(
-    worker: pb.WorkerInfo, *, state: WorkerState = WorkerState.REGISTERING
+    worker: pb.WorkerInfo, *, state: WorkerState = WorkerState.REGISTERING,
+    tokenizer: TokenizerBundle | None = None,
 ) -> Registration:
     static = pb.WorkerInfo()
     static.CopyFrom(worker)
@@ -43,7 +45,16 @@ def registration_from_pb(
         num_total_blocks=worker.kv_layout.num_blocks,
         spec=static.SerializeToString(deterministic=True),
         state=state,
+        tokenizer_sha256=worker.tokenizer_sha256,
+        tokenizer=tokenizer,
     )
+
+
+def tokenizer_from_pb(
+    request: pool_pb2.RegisterRequest | pool_pb2.HeartbeatRequest,
+) -> TokenizerBundle | None:
+    """The bundle in a request's ``tokenizer`` field, checked (``InvalidArgumentError``)."""
+    return bundle_from_pb(request.tokenizer) if request.HasField("tokenizer") else None
 
 
 def record_to_pb(record: WorkerRecord) -> pb.WorkerInfo:
@@ -90,7 +101,8 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             raise InvalidArgumentError("worker: required", field="worker")
         manager = self._for_role(role_from_pb(request.worker.role, field="worker.role"),
                                  "worker.role")
-        record = await manager.register(registration_from_pb(request.worker), request.join_token)
+        registration = registration_from_pb(request.worker, tokenizer=tokenizer_from_pb(request))
+        record = await manager.register(registration, request.join_token)
         policy = manager.policy
         return pool_pb2.RegisterResponse(
             worker_id=record.worker_id,
@@ -128,11 +140,13 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             registration=registration,
             expert_token_counts=tuple(request.expert_token_counts),
             num_moe_layers=request.num_moe_layers,
+            tokenizer=tokenizer_from_pb(request),
         ))
         return pool_pb2.HeartbeatResponse(
             should_drain=directives.should_drain,
             was_readopted=directives.was_readopted,
             should_send_full_prefix_report=directives.should_send_full_prefix_report,
+            should_send_tokenizer=directives.should_send_tokenizer,
         )
 
     async def Deregister(

@@ -12,7 +12,6 @@ from pdserve.api.v1 import router_pb2_grpc
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.service import GrpcService
-from pdserve.common.tokenizer import ByteTokenizer, Tokenizer
 from pdserve.db.durable import WindowWriterAdapter, open_durable
 from pdserve.router.admission import AdmissionConfig
 from pdserve.router.clients import GrpcTicketClient, TicketClient, WorkerClients
@@ -22,6 +21,7 @@ from pdserve.router.policy import RoutingConfig
 from pdserve.router.pool_view import PoolFollower, PoolView
 from pdserve.router.servicer import SERVICE_NAME, RouterServicer
 from pdserve.router.settings import RouterSettings
+from pdserve.router.tokenizer_registry import TokenizerRegistry
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
 from pdserve.state.stores import open_stores
@@ -65,11 +65,10 @@ def admission_config(settings: RouterSettings) -> AdmissionConfig:
 
 class RouterApp:
     def __init__(self, settings: RouterSettings, backend: StateBackend, prefix_index: PrefixIndex,
-                 tickets: TicketClient, window_writer: WindowWriter | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tickets: TicketClient, window_writer: WindowWriter | None = None) -> None:
         self.settings = settings
-        self.tokenizer = tokenizer or ByteTokenizer()
         self.view = PoolView()
+        self.tokenizers = TokenizerRegistry(self.view, backend.tokenizers)
         self.follower = PoolFollower(backend, self.view)
         self.workers = WorkerClients(settings)
         self.outcomes = OutcomeAggregator(settings.slo_ttft_ms, settings.slo_tpot_ms,
@@ -77,7 +76,7 @@ class RouterApp:
                                           source=replica_id())
         self.router = Router(router_config(settings), self.view, tickets, self.workers,
                              prefix_index, self.outcomes)
-        self.servicer = RouterServicer(self.router, self.tokenizer)
+        self.servicer = RouterServicer(self.router, self.tokenizers)
         self.http_port: int | None = None
         self._http_runner: web.AppRunner | None = None
         self._stop = asyncio.Event()
@@ -94,7 +93,7 @@ class RouterApp:
             from pdserve.common.auth import load_key_file
             from pdserve.router.http_api import create_app, start_http_server
 
-            app = create_app(self.router, self.tokenizer,
+            app = create_app(self.router, self.tokenizers,
                              api_keys=load_key_file(self.settings.api_keys_path))
             self._http_runner, self.http_port = await start_http_server(
                 app, self.settings.http_host, self.settings.http_port)

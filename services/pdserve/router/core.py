@@ -240,6 +240,10 @@ class Router:
                 f"max_tokens: {request.max_tokens} exceeds the limit "
                 f"{self.config.max_tokens_limit}", field="max_tokens")
         context = self._view.max_context_tokens(request.model)
+        if context and len(request.prompt_token_ids) >= context:
+            raise InvalidArgumentError(
+                f"prompt: {len(request.prompt_token_ids)} tokens, the model's context is "
+                f"{context} tokens (prompt and output together)", field="prompt")
         if context and len(request.prompt_token_ids) + request.max_tokens > context:
             raise InvalidArgumentError(
                 f"max_tokens: prompt ({len(request.prompt_token_ids)}) + max_tokens "

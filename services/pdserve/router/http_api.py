@@ -32,17 +32,16 @@ from aiohttp import web
 
 from pdserve.common.auth import KeyTable, bearer_tenant
 from pdserve.common.errors import NotFoundError
-from pdserve.common.tokenizer import Tokenizer, render_chat_prompt
 from pdserve.router.http_errors import ApiError, error_for, too_large
 from pdserve.router.http_generation import GenerationRun
 from pdserve.router.http_requests import (
     REQUEST_ID_HEADER,
-    ChatTemplate,
     ParsedRequest,
     RequestContext,
     parse_request,
     prefill_mode_of,
     request_id_of,
+    requested_model,
 )
 from pdserve.router.http_responses import (
     SSE_DONE,
@@ -51,6 +50,7 @@ from pdserve.router.http_responses import (
     model_object,
     sse_event,
 )
+from pdserve.router.tokenizer_registry import TokenizerSource
 from pdserve.router.types import GenerationBackend
 
 logger = logging.getLogger(__name__)
@@ -66,15 +66,13 @@ class _OpenAiHandlers:
     def __init__(
         self,
         backend: GenerationBackend,
-        tokenizer: Tokenizer,
-        chat_template: ChatTemplate,
+        tokenizers: TokenizerSource,
         api_keys: KeyTable | None,
         max_body_bytes: int,
         clock: Callable[[], float],
     ) -> None:
         self._backend = backend
-        self._tokenizer = tokenizer
-        self._chat_template = chat_template
+        self._tokenizers = tokenizers
         self._api_keys = api_keys
         self._max_body_bytes = max_body_bytes
         self._clock = clock
@@ -154,17 +152,13 @@ class _OpenAiHandlers:
             request_id = request_id_of(request.headers, "chatcmpl" if is_chat else "cmpl")
             context = self._context(request, request_id)
             body = await self._read_json(request)
+            card = requested_model(body, self._backend.list_models())
+            tokenizer = await self._tokenizers.for_model(card.name)
             parsed = parse_request(
-                body,
-                is_chat=is_chat,
-                models=self._backend.list_models(),
-                tokenizer=self._tokenizer,
-                chat_template=self._chat_template,
-                context=context,
-            )
+                body, is_chat=is_chat, card=card, tokenizer=tokenizer, context=context)
         except Exception as error:
             return error_for(error, request_id).to_response(request_id)
-        run = GenerationRun(self._backend, parsed.generation, self._tokenizer)
+        run = GenerationRun(self._backend, parsed.generation, tokenizer)
         try:
             await run.start()
             if parsed.is_stream:
@@ -256,17 +250,16 @@ async def _openai_error_bodies(request: web.Request, handler: Any) -> web.Stream
 
 def create_app(
     backend: GenerationBackend,
-    tokenizer: Tokenizer,
+    tokenizers: TokenizerSource,
     *,
     api_keys: Mapping[str, str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    chat_template: ChatTemplate = render_chat_prompt,
     clock: Callable[[], float] = time.time,
 ) -> web.Application:
     """The OpenAI-compatible application in front of ``backend``.
 
-    ``tokenizer`` must be the served model's (prompt ids, ``usage`` and streamed text come from
-    it); ``chat_template`` renders ``messages`` for it. ``api_keys`` maps API key -> tenant (a
+    ``tokenizers`` gives each served model's tokenizer: prompt ids, the chat template, ``usage``
+    and streamed text come from it. ``api_keys`` maps API key -> tenant (a
     ``pdserve.common.auth.KeyFile`` follows edits to its file; any other mapping is taken as it
     is now): when given (even empty), every ``/v1`` call needs ``Authorization: Bearer <key>``;
     ``/health`` never does. ``max_body_bytes`` bounds request bodies (413 beyond). ``clock``
@@ -275,7 +268,7 @@ def create_app(
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     keys = api_keys if api_keys is None or isinstance(api_keys, KeyTable) else KeyTable(api_keys)
-    handlers = _OpenAiHandlers(backend, tokenizer, chat_template, keys, max_body_bytes, clock)
+    handlers = _OpenAiHandlers(backend, tokenizers, keys, max_body_bytes, clock)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_openai_error_bodies])
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/v1/models", handlers.list_models)

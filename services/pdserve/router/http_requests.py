@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.router.types import GenerationRequest, ModelCard, PrefillMode
-
-ChatTemplate = Callable[[Sequence[Mapping[str, Any]]], str]
-"""Renders OpenAI chat messages into one prompt string (raises ``InvalidArgumentError``)."""
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
@@ -180,7 +177,7 @@ def _prompt_token_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidArgumentError("'prompt' must not be empty", field="prompt")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, add_special_tokens=True)
     if (
         isinstance(prompt, list)
         and prompt
@@ -230,8 +227,13 @@ def _stream_fields(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return is_stream, is_stream and include_usage
 
 
-def _resolve_model(body: Mapping[str, Any], models: Sequence[ModelCard]) -> ModelCard:
-    """The card named by ``model``; with one model served, a missing ``model`` means that one."""
+def requested_model(body: Mapping[str, Any], models: Sequence[ModelCard]) -> ModelCard:
+    """The card named by ``model``; with one model served, a missing ``model`` means that one.
+
+    Checked first (before ``parse_request``, which needs the model's tokenizer), with the fields
+    this server cannot honour. Raises ``InvalidArgumentError`` or ``NotFoundError``.
+    """
+    _reject_unsupported(body)
     name = body.get("model")
     if name is None and len(models) == 1:
         return models[0]
@@ -272,24 +274,22 @@ def parse_request(
     body: Mapping[str, Any],
     *,
     is_chat: bool,
-    models: Sequence[ModelCard],
+    card: ModelCard,
     tokenizer: Tokenizer,
-    chat_template: ChatTemplate,
     context: RequestContext,
 ) -> ParsedRequest:
-    """Validate a completions or chat body into a ``ParsedRequest``.
+    """Validate a completions or chat body for the model of ``card`` (``requested_model``) into
+    a ``ParsedRequest``, with that model's tokenizer and chat template.
 
-    Raises ``InvalidArgumentError`` (``field`` = the offending field) or ``NotFoundError`` (unknown
-    model). For chat without ``max_tokens``/``max_completion_tokens`` the completion may use the
-    rest of the model's context (``max_context_tokens``; 16 tokens when the card gives none).
+    Raises ``InvalidArgumentError`` (``field`` = the offending field). For chat without
+    ``max_tokens``/``max_completion_tokens`` the completion may use the rest of the model's
+    context (``max_context_tokens``; 16 tokens when the card gives none).
     """
-    _reject_unsupported(body)
-    card = _resolve_model(body, models)
     if is_chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidArgumentError("'messages' must be a non-empty list", field="messages")
-        prompt_ids = tokenizer.encode(chat_template(messages))
+        prompt_ids = tokenizer.encode(tokenizer.render_chat(messages))
         prompt_field = "messages"
         max_tokens_names: Sequence[str] = ("max_completion_tokens", "max_tokens")
         default_max_tokens = None

@@ -9,7 +9,9 @@ router replicas converge on the same picture without talking to each other.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.api.v1 import common_pb2 as pb
@@ -41,19 +43,36 @@ def _view(record: WorkerRecord) -> WorkerView:
 
 
 class PoolView:
-    """Workers by deployment. Mutated only by ``PoolFollower``; read by the router."""
+    """Workers by deployment. Mutated only by ``PoolFollower``; read by the router.
+
+    Listeners (``add_listener``) see every worker view as it enters or changes, e.g. so the
+    tokenizer registry loads a new tokenizer before the first request needs it.
+    """
 
     def __init__(self) -> None:
         self._workers: dict[str, dict[str, WorkerView]] = {}
+        self._listeners: list[Callable[[WorkerView], None]] = []
+
+    def add_listener(self, listener: Callable[[WorkerView], None]) -> None:
+        self._listeners.append(listener)
 
     def deployments(self) -> list[str]:
         return sorted(self._workers)
 
     def replace(self, deployment: str, records: list[WorkerRecord]) -> None:
-        self._workers[deployment] = {r.worker_id: _view(r) for r in records}
+        views = [_view(r) for r in records]
+        self._workers[deployment] = {v.worker_id: v for v in views}
+        for view in views:
+            self._notify(view)
 
     def upsert(self, record: WorkerRecord) -> None:
-        self._workers.setdefault(record.deployment, {})[record.worker_id] = _view(record)
+        view = _view(record)
+        self._workers.setdefault(record.deployment, {})[record.worker_id] = view
+        self._notify(view)
+
+    def _notify(self, view: WorkerView) -> None:
+        for listener in self._listeners:
+            listener(view)
 
     def remove(self, deployment: str, worker_id: str) -> None:
         self._workers.get(deployment, {}).pop(worker_id, None)
@@ -68,11 +87,27 @@ class PoolView:
         return self._workers.get(deployment, {}).get(worker_id)
 
     def max_context_tokens(self, deployment: str) -> int:
-        contexts = [
-            w.info.kv_layout.num_blocks * w.block_size_tokens
-            for w in self.ready(deployment, WorkerRole.DECODE)
-        ]
-        return max(contexts, default=0)
+        """Longest sequence (prompt + output, tokens) a request may have: what the largest ready
+        decode worker's KV cache holds, and at most the model's context limit
+        (``max_model_len``) where the workers report one; 0 = no ready decode worker."""
+        decoders = self.ready(deployment, WorkerRole.DECODE)
+        kv_tokens = max((w.info.kv_layout.num_blocks * w.block_size_tokens for w in decoders),
+                        default=0)
+        model_limits = [w.info.max_model_len for w in decoders if w.info.max_model_len > 0]
+        return min(kv_tokens, *model_limits) if model_limits else kv_tokens
+
+    def tokenizer_sha256(self, deployment: str) -> str:
+        """Digest of the tokenizer the deployment's workers serve ("" = the byte tokenizer).
+
+        One deployment is one model with one tokenizer; should its workers disagree (a tokenizer
+        rolled out while old workers still run), the digest most ready workers advertise wins
+        (ties: the smaller digest), or most workers of any state while none is ready."""
+        workers = list(self._workers.get(deployment, {}).values())
+        ready = [w for w in workers if w.record.state is WorkerState.READY]
+        counts = collections.Counter(w.info.tokenizer_sha256 for w in (ready or workers))
+        if not counts:
+            return ""
+        return min(counts, key=lambda sha256: (-counts[sha256], sha256))
 
 
 class PoolFollower:

@@ -11,6 +11,8 @@ from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.common.auth import current_tenant
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.router.detokenizer import IncrementalText
+from pdserve.router.tokenizer_registry import TokenizerSource
 from pdserve.router.types import (
     FINISH_REASON_TO_PB,
     GenerationBackend,
@@ -28,22 +30,27 @@ _MODE = {
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer) -> None:
-        self._backend = backend
-        self._tokenizer = tokenizer
+    """``tokenizers`` gives each deployment's tokenizer: prompt text is encoded with it (with
+    the tokenizer's own special tokens, as for an OpenAI completion) and ``include_text`` text
+    comes from its incremental decoder."""
 
-    def _request(self, request: router_pb2.GenerateRequest, tenant: str) -> GenerationRequest:
+    def __init__(self, backend: GenerationBackend, tokenizers: TokenizerSource) -> None:
+        self._backend = backend
+        self._tokenizers = tokenizers
+
+    def _request(self, request: router_pb2.GenerateRequest, tenant: str,
+                 tokenizer: Tokenizer) -> GenerationRequest:
         if request.prompt and request.prompt_token_ids:
             raise InvalidArgumentError("prompt: set prompt or prompt_token_ids, not both",
                                        field="prompt")
         if request.prompt_token_ids:
-            vocab = self._tokenizer.vocab_size
+            vocab = tokenizer.vocab_size
             if any(t >= vocab for t in request.prompt_token_ids):
                 raise InvalidArgumentError(
                     f"prompt_token_ids: ids must be < {vocab}", field="prompt_token_ids")
             token_ids = tuple(request.prompt_token_ids)
         else:
-            token_ids = tuple(self._tokenizer.encode(request.prompt))
+            token_ids = tuple(tokenizer.encode(request.prompt, add_special_tokens=True))
         if request.prefill_mode not in _MODE:
             raise InvalidArgumentError("prefill_mode: unknown value", field="prefill_mode")
         sampling = request.sampling
@@ -57,12 +64,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        generation = self._request(request, tenant=current_tenant())
+        tokenizer = await self._tokenizers.for_model(request.model)
+        generation = self._request(request, current_tenant(), tokenizer)
         request_id = generation.request_id
+        text = IncrementalText(tokenizer)
         async for chunk in self._backend.generate(generation):
             message = router_pb2.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids)
-            if request.include_text and chunk.token_ids:
-                message.text = self._tokenizer.decode(list(chunk.token_ids))
+            if request.include_text:
+                message.text = text.push(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    message.text += text.finish()
             if chunk.finish_reason is not None:
                 message.finish_reason = FINISH_REASON_TO_PB[chunk.finish_reason]
                 message.prefill_worker_id = chunk.prefill_worker_id

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from pdserve.common.tokenizer_bundle import TokenizerBundle
 from pdserve.common.types import (
     BlockReport,
     FencingToken,
@@ -144,6 +145,24 @@ class TargetStore(Protocol):
     async def get_target(self, deployment: str, role: WorkerRole) -> int | None: ...
 
 
+class TokenizerStore(Protocol):
+    """Model tokenizers by digest (``TokenizerBundle.sha256``), with a TTL. Soft state like the
+    rest: the pool manager extends a bundle's TTL with every heartbeat of a worker that serves
+    it, and asks that worker to send it again when the store has lost it."""
+
+    async def put(self, bundle: TokenizerBundle, ttl_s: float) -> None:
+        """Store (or replace) the bundle under its digest, live for ``ttl_s``."""
+        ...
+
+    async def get(self, sha256: str) -> TokenizerBundle | None:
+        """The live bundle with this digest, or None."""
+        ...
+
+    async def touch(self, sha256: str, ttl_s: float) -> bool:
+        """Extend a live bundle's TTL to ``ttl_s`` from now; False if there is none."""
+        ...
+
+
 class StateBackend(Protocol):
     """One backend: the stores it provides and its lifecycle."""
 
@@ -158,6 +177,9 @@ class StateBackend(Protocol):
 
     @property
     def targets(self) -> TargetStore: ...
+
+    @property
+    def tokenizers(self) -> TokenizerStore: ...
 
     async def ping(self) -> bool: ...
 

@@ -58,12 +58,12 @@ class PoolClient:
         self._join_token = join_token
         self._timeout_s = timeout_s
 
-    async def register(self, info: pb.WorkerInfo,
-                       expected_cold_start_s: float) -> pool_pb2.RegisterResponse:
+    async def register(self, info: pb.WorkerInfo, expected_cold_start_s: float,
+                       tokenizer: pb.TokenizerBundle | None = None) -> pool_pb2.RegisterResponse:
         try:
             return await self._stub.Register(pool_pb2.RegisterRequest(
                 join_token=self._join_token, worker=info,
-                expected_cold_start_s=expected_cold_start_s,
+                expected_cold_start_s=expected_cold_start_s, tokenizer=tokenizer,
             ), timeout=self._timeout_s)
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
@@ -71,13 +71,15 @@ class PoolClient:
     async def heartbeat(self, info: pb.WorkerInfo, state: WorkerState, load: WorkerLoad,
                         held_blocks: dict[str, int], added: list[int], removed: list[int],
                         is_full: bool, expert_token_counts: list[int] | None = None,
-                        num_moe_layers: int = 0) -> pool_pb2.HeartbeatResponse:
+                        num_moe_layers: int = 0,
+                        tokenizer: pb.TokenizerBundle | None = None) -> pool_pb2.HeartbeatResponse:
         request = pool_pb2.HeartbeatRequest(
             worker_id=info.worker_id, state=worker_state_to_pb(state),
             load=load_to_pb(load),
             added_prefix_hashes=added, removed_prefix_hashes=removed,
             is_full_prefix_report=is_full, join_token=self._join_token, worker=info,
             expert_token_counts=expert_token_counts or [], num_moe_layers=num_moe_layers,
+            tokenizer=tokenizer,
         )
         for key, num_blocks in held_blocks.items():
             token = FencingToken.parse(key)

@@ -17,6 +17,7 @@ from pdserve.common.convert import role_to_pb, worker_state_to_pb
 from pdserve.common.errors import ConfigError, NotFoundError, PdserveError, UnauthenticatedError
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.tokenizer_bundle import bundle_from_folder, bundle_to_pb
 from pdserve.common.types import WorkerRole, WorkerState
 from pdserve.worker.agent import AgentConfig
 from pdserve.worker.control import GrpcControlPlane, PoolClient
@@ -89,6 +90,9 @@ def kv_backend(settings: WorkerSettings) -> TransportBackend:
 class WorkerProcess:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
+        self.tokenizer = (bundle_from_folder(settings.tokenizer_path)
+                          if settings.tokenizer_path else None)
+        """The model tokenizer this worker ships to the control plane; None = the byte one."""
         self.engine = build_engine(settings)
         self._coordinator_channel = open_channel(settings.coordinator_address, settings)
         self._pool_channel = open_channel(settings.pool_address, settings)
@@ -108,6 +112,7 @@ class WorkerProcess:
         self.address = ""
         self.heartbeat_interval_s = 1.0
         self._needs_full_prefix_report = True
+        self._needs_tokenizer_sent = False
         self._next_expert_report_s = 0.0
 
     def describe(self) -> pb.WorkerInfo:
@@ -123,7 +128,12 @@ class WorkerProcess:
                                   block_nbytes=layout.block_nbytes),
             kv_transports=[self.settings.transport],
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
+            tokenizer_sha256=self.tokenizer.sha256 if self.tokenizer else "",
+            max_model_len=self.tokenizer.max_model_len if self.tokenizer else 0,
         )
+
+    def tokenizer_pb(self) -> pb.TokenizerBundle | None:
+        return bundle_to_pb(self.tokenizer) if self.tokenizer else None
 
     def prefill_tokens_per_s(self) -> float:
         """Measured from this worker's recent prefills when it has any, else the engine's own
@@ -148,7 +158,8 @@ class WorkerProcess:
             self.agent.kv_address = f"{self.advertise_host}:{kv_port}"
         port = await self.server.start()
         self.address = f"{self.advertise_host}:{port}"
-        response = await self.pool.register(self.describe(), self.settings.cold_start_s)
+        response = await self.pool.register(self.describe(), self.settings.cold_start_s,
+                                            self.tokenizer_pb())
         self.agent.config = dataclasses.replace(self.agent.config, worker_id=response.worker_id)
         self.control.worker_id = response.worker_id
         self.heartbeat_interval_s = max(0.05, response.heartbeat_interval_ms / 1000)
@@ -172,10 +183,12 @@ class WorkerProcess:
             # the governor's estimate a little older.
             num_moe_layers, expert_counts = self.agent.take_expert_token_counts()
             self._next_expert_report_s = now_s + self.settings.expert_report_interval_s
+        tokenizer = self.tokenizer_pb() if self._needs_tokenizer_sent else None
         response = await self.pool.heartbeat(self.describe(), self.agent.state, self.agent.load(),
                                              held, added, removed, is_full,
-                                             expert_counts, num_moe_layers)
+                                             expert_counts, num_moe_layers, tokenizer)
         self._needs_full_prefix_report = response.should_send_full_prefix_report
+        self._needs_tokenizer_sent = response.should_send_tokenizer
         if response.should_drain:
             self.agent.begin_drain("pool manager asked")
 

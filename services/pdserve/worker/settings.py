@@ -7,6 +7,7 @@ Every field has an environment variable ``PDSERVE_<NAME>`` and a flag ``--name``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.common.settings import CommonSettings
 from pdserve.common.settings_fields import setting
@@ -42,6 +43,11 @@ class WorkerSettings(CommonSettings):
         False,
         help="Advertise this machine's host name instead of advertise_host (containers).")
     engine: str = setting("sim", help="Engine backend: sim or tiny.")
+    tokenizer_path: Path | None = setting(
+        None,
+        help="A Hugging Face model or tokenizer folder: its tokenizer is sent to the control plane "
+             "at registration and routers tokenize this deployment with it (unset: the package's "
+             "byte tokenizer).")
     model: str = setting(DEFAULT_MODEL, help="Model from the catalog (sim engine).")
     gpu: str = setting(DEFAULT_GPU, help="GPU from the catalog (sim engine).")
     tp_size: int = setting(1, parser=int_range(1, 1024), help="Tensor-parallel degree.")

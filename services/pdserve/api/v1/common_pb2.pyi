@@ -107,7 +107,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "deployment", "role", "state", "address", "kv_address", "load", "last_heartbeat_unix_ms", "engine", "gpu", "tp_size", "kv_layout", "kv_transports", "model", "num_gpus", "prefill_tokens_per_s")
+    __slots__ = ("worker_id", "deployment", "role", "state", "address", "kv_address", "load", "last_heartbeat_unix_ms", "engine", "gpu", "tp_size", "kv_layout", "kv_transports", "model", "num_gpus", "prefill_tokens_per_s", "tokenizer_sha256", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,8 @@ class WorkerInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_GPUS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     deployment: str
     role: WorkerRole
@@ -140,7 +142,27 @@ class WorkerInfo(_message.Message):
     model: str
     num_gpus: int
     prefill_tokens_per_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., deployment: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., engine: _Optional[str] = ..., gpu: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., num_gpus: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    tokenizer_sha256: str
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., deployment: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., engine: _Optional[str] = ..., gpu: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., num_gpus: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tokenizer_sha256: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class TokenizerBundle(_message.Message):
+    __slots__ = ("tokenizer_json", "chat_template", "bos_token", "eos_token", "pad_token", "max_model_len", "sha256")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: bytes
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    pad_token: str
+    max_model_len: int
+    sha256: str
+    def __init__(self, tokenizer_json: _Optional[bytes] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., pad_token: _Optional[str] = ..., max_model_len: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "seed", "ignore_eos", "stop")

@@ -22,14 +22,16 @@ POOL_EVENT_KIND_GAP: PoolEventKind
 POOL_EVENT_KIND_TARGET: PoolEventKind
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("join_token", "worker", "expected_cold_start_s")
+    __slots__ = ("join_token", "worker", "expected_cold_start_s", "tokenizer")
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_COLD_START_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     join_token: str
     worker: _common_pb2.WorkerInfo
     expected_cold_start_s: float
-    def __init__(self, join_token: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cold_start_s: _Optional[float] = ...) -> None: ...
+    tokenizer: _common_pb2.TokenizerBundle
+    def __init__(self, join_token: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cold_start_s: _Optional[float] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerBundle, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_ms", "heartbeat_ttl_ms")
@@ -50,7 +52,7 @@ class HeldBlocks(_message.Message):
     def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "state", "load", "held_blocks", "added_prefix_hashes", "removed_prefix_hashes", "expert_token_counts", "num_moe_layers", "join_token", "worker", "is_full_prefix_report")
+    __slots__ = ("worker_id", "state", "load", "held_blocks", "added_prefix_hashes", "removed_prefix_hashes", "expert_token_counts", "num_moe_layers", "join_token", "worker", "is_full_prefix_report", "tokenizer")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +64,7 @@ class HeartbeatRequest(_message.Message):
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     IS_FULL_PREFIX_REPORT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: _common_pb2.WorkerState
     load: _common_pb2.WorkerLoad
@@ -73,17 +76,20 @@ class HeartbeatRequest(_message.Message):
     join_token: str
     worker: _common_pb2.WorkerInfo
     is_full_prefix_report: bool
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., held_blocks: _Optional[_Iterable[_Union[HeldBlocks, _Mapping]]] = ..., added_prefix_hashes: _Optional[_Iterable[int]] = ..., removed_prefix_hashes: _Optional[_Iterable[int]] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., num_moe_layers: _Optional[int] = ..., join_token: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., is_full_prefix_report: _Optional[bool] = ...) -> None: ...
+    tokenizer: _common_pb2.TokenizerBundle
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., held_blocks: _Optional[_Iterable[_Union[HeldBlocks, _Mapping]]] = ..., added_prefix_hashes: _Optional[_Iterable[int]] = ..., removed_prefix_hashes: _Optional[_Iterable[int]] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., num_moe_layers: _Optional[int] = ..., join_token: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., is_full_prefix_report: _Optional[bool] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerBundle, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("should_drain", "was_readopted", "should_send_full_prefix_report")
+    __slots__ = ("should_drain", "was_readopted", "should_send_full_prefix_report", "should_send_tokenizer")
     SHOULD_DRAIN_FIELD_NUMBER: _ClassVar[int]
     WAS_READOPTED_FIELD_NUMBER: _ClassVar[int]
     SHOULD_SEND_FULL_PREFIX_REPORT_FIELD_NUMBER: _ClassVar[int]
+    SHOULD_SEND_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     should_drain: bool
     was_readopted: bool
     should_send_full_prefix_report: bool
-    def __init__(self, should_drain: _Optional[bool] = ..., was_readopted: _Optional[bool] = ..., should_send_full_prefix_report: _Optional[bool] = ...) -> None: ...
+    should_send_tokenizer: bool
+    def __init__(self, should_drain: _Optional[bool] = ..., was_readopted: _Optional[bool] = ..., should_send_full_prefix_report: _Optional[bool] = ..., should_send_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "join_token")

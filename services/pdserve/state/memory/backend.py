@@ -1,4 +1,4 @@
-"""The in-process ``StateBackend``: the four memory stores, one lock shared by the stores whose
+"""The in-process ``StateBackend``: the five memory stores, one lock shared by the stores whose
 calls must be atomic with respect to each other."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pdserve.common.types import Clock
 from pdserve.state.memory.events import MemoryPoolEventStream
 from pdserve.state.memory.targets import MemoryTargetStore
 from pdserve.state.memory.tickets import MemoryTicketLedger
+from pdserve.state.memory.tokenizers import MemoryTokenizerStore
 from pdserve.state.memory.workers import MemoryWorkerStore
 from pdserve.state.shared import StateOptions
 
@@ -23,6 +24,7 @@ class MemoryStateBackend:
         self.tickets = MemoryTicketLedger(clock, options, lock)
         self.events = MemoryPoolEventStream(options)
         self.targets = MemoryTargetStore()
+        self.tokenizers = MemoryTokenizerStore(clock)
 
     async def ping(self) -> bool:
         return True

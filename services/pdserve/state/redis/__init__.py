@@ -1,8 +1,9 @@
 """Hot state on Redis (``redis.asyncio``), shared by every replica of every control-plane service.
 
-One module per store (``workers``, ``tickets``, ``events``, ``targets``), assembled by
-``backend.RedisStateBackend``; ``keys`` holds the key layout, ``calls`` how a store talks to Redis
-(Lua scripts, their replies, connection failures) and ``codec`` the text form of values.
+One module per store (``workers``, ``tickets``, ``events``, ``targets``, ``tokenizers``),
+assembled by ``backend.RedisStateBackend``; ``keys`` holds the key layout, ``calls`` how a store
+talks to Redis (Lua scripts, their replies, connection failures) and ``codec`` the text form of
+values.
 
 Block accounting and ticket rules are those of the ``TicketLedger`` contract
 (``pdserve.state.interfaces``), as the memory backend implements them; here each ledger step is

@@ -1,4 +1,4 @@
-"""The Redis ``StateBackend``: the four Redis stores over one client, key prefix and script set."""
+"""The Redis ``StateBackend``: the five Redis stores over one client, key prefix and script set."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pdserve.state.redis.events import RedisPoolEventStream
 from pdserve.state.redis.keys import RedisKeys
 from pdserve.state.redis.targets import RedisTargetStore
 from pdserve.state.redis.tickets import RedisTicketLedger
+from pdserve.state.redis.tokenizers import RedisTokenizerStore
 from pdserve.state.redis.workers import RedisWorkerStore
 from pdserve.state.shared import StateOptions
 
@@ -33,6 +34,7 @@ class RedisStateBackend:
         self.tickets = RedisTicketLedger(client, scripts, self.keys, clock, options)
         self.events = RedisPoolEventStream(client, scripts, self.keys, options)
         self.targets = RedisTargetStore(client, self.keys)
+        self.tokenizers = RedisTokenizerStore(client, scripts, self.keys, clock)
 
     @classmethod
     def from_url(

@@ -65,7 +65,8 @@ class LuaScripts:
         "set_capacity", "open", "transition", "extend", "mark_held", "release", "reap",
         "drop_worker", "reconcile",
     )
-    _PLAIN = ("worker_heartbeat", "worker_set_state", "events_head", "events_publish")
+    _PLAIN = ("worker_heartbeat", "worker_set_state", "events_head", "events_publish",
+              "tokenizer_touch")
 
     def __init__(self, client: aioredis.Redis) -> None:
         lib = _lua("_lib.lua")

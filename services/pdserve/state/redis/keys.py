@@ -17,6 +17,7 @@ scripts run unchanged on Redis Cluster::
     <p>:events:meta:{d:D}       hash  epoch, seq of D's change stream
     <p>:events:stream:{d:D}     stream of D's pool events, ids "<seq>-0"
     <p>:target:D:R              str   target pool size
+    <p>:tokenizer:bundle:S      hash  tokenizer bundle with digest S, PEXPIRE'd by touch
 """
 
 from __future__ import annotations
@@ -72,3 +73,6 @@ class RedisKeys:
 
     def target(self, deployment: str, role: WorkerRole | str) -> str:
         return f"{self.prefix}:target:{deployment}:{role}"
+
+    def tokenizer_bundle(self, sha256: str) -> str:
+        return f"{self.prefix}:tokenizer:bundle:{sha256}"
