@@ -368,7 +368,8 @@ async def test_one_request_is_traced_through_router_coordinator_prefill_and_deco
     spans = await asyncio.to_thread(
         _wait_until, trace_of_request,
         lambda found: expected_services <= {s.service_name for s in found}
-        and {"prefill.compute_and_send", "decode.await_kv"} <= {s.name for s in found}, 15.0)
+        and {"prefill.compute_and_send", "kv.transfer", "decode.await_kv"}
+        <= {s.name for s in found}, 15.0)
     by_service: dict[str, set[str]] = {}
     for span in spans:
         by_service.setdefault(span.service_name, set()).add(span.name)
@@ -376,6 +377,10 @@ async def test_one_request_is_traced_through_router_coordinator_prefill_and_deco
                    f"{len(cluster.collector.spans())} collected spans")
     assert expected_services <= by_service.keys(), f"spans of the trace by service: {by_service}"
     assert "prefill.compute_and_send" in by_service["prefill-worker"], by_service
+    # The KV hop has its own span, with what it moved.
+    transfer = next(s for s in spans if s.name == "kv.transfer")
+    assert transfer.attributes["pdserve.num_bytes"] > 0, transfer.attributes
+    assert transfer.attributes["pdserve.num_layers"] > 0, transfer.attributes
     assert "decode.await_kv" in by_service["decode-worker"], by_service
     # The router reached the coordinator over gRPC: the coordinator's server span is in the trace.
     assert any("OpenTicket" in name for name in by_service["kv-transfer"]), by_service

@@ -29,6 +29,8 @@ from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
 
 from pdserve.common.auth import KeyTable, bearer_tenant
 from pdserve.common.errors import NotFoundError
@@ -147,6 +149,18 @@ class _OpenAiHandlers:
         return await self._generate(request, is_chat=True)
 
     async def _generate(self, request: web.Request, *, is_chat: bool) -> web.StreamResponse:
+        """One generation. A W3C ``traceparent`` (and ``tracestate``) header makes the router's
+        spans children of the caller's trace; without one, the router starts a trace."""
+        if "traceparent" not in request.headers:
+            return await self._generate_in_context(request, is_chat=is_chat)
+        attached = otel_context.attach(propagate.extract(request.headers))
+        try:
+            return await self._generate_in_context(request, is_chat=is_chat)
+        finally:
+            otel_context.detach(attached)
+
+    async def _generate_in_context(self, request: web.Request, *,
+                                   is_chat: bool) -> web.StreamResponse:
         request_id = ""
         try:
             request_id = request_id_of(request.headers, "chatcmpl" if is_chat else "cmpl")

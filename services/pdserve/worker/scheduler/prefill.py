@@ -213,9 +213,18 @@ class PrefillScheduler(EngineScheduler):
                 compute_done.set()
 
         num_sent = len(ticket.destination.block_ids)
+        transfer_span: trace.Span | None = None
         try:
             with tracer.start_as_current_span("prefill.compute_and_send") as span:
                 span.set_attribute("pdserve.num_prompt_tokens", len(prompt))
+                # The KV hop itself, from opening the destination to its last acknowledgement;
+                # it overlaps the compute (layers leave as they are done).
+                transfer_span = tracer.start_span("kv.transfer", attributes={
+                    "pdserve.ticket": str(ticket.token),
+                    "pdserve.kv_address": ticket.destination.kv_address,
+                    "pdserve.transport": ticket.destination.transport,
+                    "pdserve.num_blocks": num_sent,
+                })
                 await sender.open(ticket.destination, ticket.token)
                 started = time.perf_counter()
                 compute_future = loop.run_in_executor(self._engine_thread, compute)
@@ -247,9 +256,18 @@ class PrefillScheduler(EngineScheduler):
                 self._profile.append(ProfilePoint(len(prompt), 1, compute_s, True))
                 result = await sender.finish(sequence.output_token_ids[0], compute_s)
                 exposed_s = time.perf_counter() - compute_end
+                transfer_span.set_attributes({
+                    "pdserve.num_bytes": result.num_bytes, "pdserve.num_layers": result.num_layers,
+                    "pdserve.exposed_ms": exposed_s * 1e3,
+                })
+                transfer_span.end()
                 self._kv_checksums.append(
                     checksum_of(self.engine.kv_cache, ticket.token, block_ids[:num_sent]))
-        except BaseException:
+        except BaseException as exc:
+            if transfer_span is not None and transfer_span.is_recording():
+                transfer_span.record_exception(exc)
+                transfer_span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
+                transfer_span.end()
             await sender.abort("prefill failed")
             raise
         finally:
