@@ -16,19 +16,17 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from pdserve.capacity.autoscaler import (
-    Autoscaler,
-    AutoscalerConfig,
-    AutoscalerControls,
-    Demand,
-    HoltForecaster,
+from pdserve.capacity.autoscaler import Autoscaler
+from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls, PoolBounds
+from pdserve.capacity.forecast import HoltForecaster
+from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
+from pdserve.capacity.sizing import (
     InstanceProfile,
-    PoolBounds,
     SizingConfig,
+    SizingDemand,
     instances_for,
     size_pools,
 )
-from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
 from pdserve.common.errors import InvalidArgumentError
 
 PROFILE = InstanceProfile.from_catalog("llama-3.1-70b", "h100-sxm-80gb", prefill_tp_size=4,
@@ -40,7 +38,7 @@ PROMPT, OUTPUT = 1155.0, 211.0
 
 
 def need(rate: float, prompt: float = PROMPT, output: float = OUTPUT) -> tuple[int, int]:
-    sizing = size_pools(PROFILE, SIZING, Demand(rate, prompt, output))
+    sizing = size_pools(PROFILE, SIZING, SizingDemand(rate, prompt, output))
     return instances_for(sizing.num_prefill), instances_for(sizing.num_decode)
 
 
@@ -405,10 +403,11 @@ def test_output_length_change_midway_scales_decode_alone() -> None:
 
 
 def test_size_pools_is_monotone_in_rate() -> None:
-    needs = [size_pools(PROFILE, SIZING, Demand(r, PROMPT, OUTPUT)) for r in (1, 5, 25, 125)]
+    needs = [size_pools(PROFILE, SIZING, SizingDemand(r, PROMPT, OUTPUT))
+             for r in (1, 5, 25, 125)]
     assert all(a.num_prefill < b.num_prefill and a.num_decode < b.num_decode
                for a, b in itertools.pairwise(needs))
-    backlog = size_pools(PROFILE, SIZING, replace(Demand(25, PROMPT, OUTPUT),
+    backlog = size_pools(PROFILE, SIZING, replace(SizingDemand(25, PROMPT, OUTPUT),
                                                   num_queued_prefill_tokens=200_000))
     assert backlog.num_prefill > needs[2].num_prefill
     assert backlog.num_decode == needs[2].num_decode

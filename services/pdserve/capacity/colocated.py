@@ -50,28 +50,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.capacity.planner import (
-    Demand,
-    InstanceShape,
+from pdserve.capacity.latency_model import (
     Prediction,
-    Slo,
     TtftGroup,
-    Workload,
-    averaging_factor,
     batch_step_moments,
     batch_variance,
-    context_per_sequence,
-    decode_step_grid_s,
     kv_admission,
-    max_rate,
-    mgc_wait,
-    moments,
-    smallest_fixed_point,
     tpot_attainment,
     tpot_percentile,
     ttft_cdf,
     ttft_percentile,
     unstable_prediction,
+)
+from pdserve.capacity.plan_inputs import Demand, InstanceShape, Slo
+from pdserve.capacity.planner import max_rate
+from pdserve.capacity.queueing import mgc_wait, moments, smallest_fixed_point
+from pdserve.capacity.workload import (
+    Workload,
+    averaging_factor,
+    context_per_sequence,
+    decode_step_grid_s,
 )
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.perf.perf_model import PerfModel

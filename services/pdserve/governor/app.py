@@ -10,12 +10,8 @@ import time
 from typing import Any
 
 from pdserve.api.v1 import governor_pb2_grpc
-from pdserve.capacity.autoscaler import (
-    AutoscalerConfig,
-    AutoscalerControls,
-    InstanceProfile,
-    SizingConfig,
-)
+from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls
+from pdserve.capacity.sizing import InstanceProfile, SizingConfig
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.leadership import LeaderElector, Lease
 from pdserve.common.service_settings import GovernorSettings

@@ -47,18 +47,15 @@ from typing import Any, Protocol
 import grpc
 
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
-from pdserve.capacity.autoscaler import (
-    Autoscaler,
-    AutoscalerConfig,
-    AutoscalerControls,
-    InstanceProfile,
-)
+from pdserve.capacity.autoscaler import Autoscaler
+from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls
 from pdserve.capacity.scaling import (
     PoolObservation,
     ScalingDecision,
     ScalingObservation,
     ScalingPolicy,
 )
+from pdserve.capacity.sizing import InstanceProfile
 from pdserve.common.convert import role_to_pb
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
 from pdserve.common.grpc_client import error_from_rpc_error

@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc
-from pdserve.capacity import planner
-from pdserve.capacity.autoscaler import AutoscalerControls, PoolBounds
+from pdserve.capacity import plan_inputs, planner
+from pdserve.capacity.controls import AutoscalerControls, PoolBounds
 from pdserve.capacity.eplb import (
     PlacementPolicy,
     PlacementTopology,
@@ -148,10 +148,10 @@ def _lengths_from_pb(lengths: governor_pb2.LengthDistribution, name: str) -> tup
 
 
 def what_if_inputs(request: governor_pb2.WhatIfPlanRequest) -> tuple[
-        planner.Demand, planner.Slo, planner.InstanceShape, planner.InstanceShape]:
+        plan_inputs.Demand, plan_inputs.Slo, plan_inputs.InstanceShape, plan_inputs.InstanceShape]:
     """The planner's inputs from a request, every field checked (``InvalidArgumentError``
     names it). Paired samples of equal length are used as they are; otherwise each length is
-    taken from its mean (``planner.Demand.from_means``)."""
+    taken from its mean (``plan_inputs.Demand.from_means``)."""
     for name in ("model", "gpu"):
         if not getattr(request, name):
             raise InvalidArgumentError(f"{name}: required", field=name)
@@ -177,13 +177,13 @@ def what_if_inputs(request: governor_pb2.WhatIfPlanRequest) -> tuple[
     if not 0.0 < percentile < 100.0:
         raise InvalidArgumentError("slo.percentile: must be in (0, 100)", field="slo.percentile")
     if prompts and outputs and len(prompts) == len(outputs):
-        plan_demand = planner.Demand(rate, prompts, outputs, demand.prefix_hit_fraction)
+        plan_demand = plan_inputs.Demand(rate, prompts, outputs, demand.prefix_hit_fraction)
     else:
-        plan_demand = planner.Demand.from_means(rate, prompt_mean, output_mean,
+        plan_demand = plan_inputs.Demand.from_means(rate, prompt_mean, output_mean,
                                                 demand.prefix_hit_fraction)
-    shapes = [planner.InstanceShape(request.model, request.gpu, tp or 1)
+    shapes = [plan_inputs.InstanceShape(request.model, request.gpu, tp or 1)
               for tp in (request.prefill_tp_size, request.decode_tp_size)]
-    return (plan_demand, planner.Slo(slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0, percentile),
+    return (plan_demand, plan_inputs.Slo(slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0, percentile),
             shapes[0], shapes[1])
 
 
