@@ -33,21 +33,17 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.capacity.eplb import (
-    DEEPSEEK_V3_EXPERT_BYTES,
-    DecodeCapacity,
-    ExpertMemoryModel,
-    PlacementMethod,
-    PlacementPolicy,
-    PlacementTopology,
-    choose_num_slots,
-    gpu_balancedness,
-    node_balancedness,
-    plan_expert_placement,
-    replan_with_migration,
-)
+from pdserve.capacity.eplb import PlacementMethod, plan_expert_placement
+from pdserve.capacity.eplb_memory import DecodeCapacity, ExpertMemoryModel, choose_num_slots
 from pdserve.capacity.eplb_migration import align_to_current
 from pdserve.capacity.eplb_packing import replicate_greedy
+from pdserve.capacity.eplb_placement import (
+    PlacementPolicy,
+    PlacementTopology,
+    gpu_balancedness,
+    node_balancedness,
+)
+from pdserve.capacity.eplb_replan import DEEPSEEK_V3_EXPERT_BYTES, replan_with_migration
 from pdserve.common.plotting import MISSING_NOTE, pyplot
 
 ROOT = Path(__file__).resolve().parent.parent

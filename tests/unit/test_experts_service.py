@@ -15,34 +15,33 @@ from prometheus_client import REGISTRY
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc, worker_pb2
-from pdserve.capacity.eplb import (
+from pdserve.capacity.eplb import plan_expert_placement
+from pdserve.capacity.eplb_placement import (
     ExpertPlacement,
     PlacementPolicy,
     PlacementTopology,
     gpu_balancedness,
-    plan_expert_placement,
 )
+from pdserve.capacity.expert_policy import (
+    ExpertPolicy,
+    LoadEstimate,
+    ReplanInputs,
+    ReplanReason,
+    decay_factor,
+    default_slots_per_gpu,
+    fold_reports,
+    pool_topology,
+    replan_reason,
+)
+from pdserve.capacity.expert_versions import parse_placement_key, placement_key
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.service_settings import GovernorSettings
 from pdserve.common.types import WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.db import Repository, upgrade
 from pdserve.governor.app import GovernorApp
-from pdserve.governor.experts import (
-    ExpertPlacementGovernor,
-    ExpertPolicy,
-    LoadEstimate,
-    ReplanInputs,
-    ReplanReason,
-    WorkerInstance,
-    decay_factor,
-    default_slots_per_gpu,
-    fold_reports,
-    parse_placement_key,
-    placement_key,
-    pool_topology,
-    replan_reason,
-)
+from pdserve.governor.expert_convert import WorkerInstance
+from pdserve.governor.expert_loop import ExpertPlacementGovernor
 from pdserve.pool.manager import Heartbeat, PoolManager, PoolPolicy, Registration
 from pdserve.state.expert_loads import (
     ExpertLoadReport,

@@ -24,7 +24,7 @@ from pdserve.governor.autoscaling import (
     GrpcTargetSetter,
     TargetSetter,
 )
-from pdserve.governor.experts import ExpertPlacementService
+from pdserve.governor.expert_service import ExpertPlacementService
 from pdserve.governor.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.state.interfaces import StateBackend
 

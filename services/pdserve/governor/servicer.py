@@ -18,18 +18,15 @@ import numpy as np
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc
 from pdserve.capacity import plan_inputs, planner
 from pdserve.capacity.controls import AutoscalerControls, PoolBounds
-from pdserve.capacity.eplb import (
-    PlacementPolicy,
-    PlacementTopology,
-    gpu_balancedness,
-    plan_expert_placement,
-)
+from pdserve.capacity.eplb import plan_expert_placement
+from pdserve.capacity.eplb_placement import PlacementPolicy, PlacementTopology, gpu_balancedness
 from pdserve.common.convert import role_from_pb, role_to_pb
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
 from pdserve.common.types import Clock, WorkerRole
 from pdserve.db.records import ScalingAction, ScalingDecisionRecord
 from pdserve.governor.autoscaling import CapacityGovernor, DeploymentSpec
-from pdserve.governor.experts import ExpertPlacementService
+from pdserve.governor.expert_convert import placement_to_pb
+from pdserve.governor.expert_service import ExpertPlacementService
 from pdserve.perf.catalog import get_gpu, get_model
 from pdserve.perf.kv_budget import CapacityConfig, capacity_report
 
@@ -247,7 +244,7 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
         return governor_pb2.SetAutoscalerControlsResponse()
 
     experts: ExpertPlacementService | None = None
-    """The expert-placement loop (``pdserve.governor.experts``), set by the app."""
+    """The expert-placement loop (``pdserve.governor.expert_service``), set by the app."""
 
     async def GetCapacity(self, request: governor_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetCapacityResponse:
         if not request.model:
@@ -283,12 +280,8 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             num_groups=request.num_groups or 1, policy=_POLICY[request.policy],
         )
         placement = await asyncio.to_thread(plan_expert_placement, loads, topology)
-        return governor_pb2.WhatIfExpertPlacementResponse(placement=governor_pb2.ExpertPlacement(
-            num_layers=num_layers, num_slots=topology.num_slots, num_gpus=topology.num_gpus,
-            num_experts=num_experts,
-            slot_to_expert=placement.slot_to_expert.reshape(-1).tolist(),
-            balancedness=gpu_balancedness(placement, loads).tolist(),
-        ))
+        return governor_pb2.WhatIfExpertPlacementResponse(
+            placement=placement_to_pb(placement, gpu_balancedness(placement, loads)))
 
     async def GetExpertPlacement(self, request: governor_pb2.GetExpertPlacementRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetExpertPlacementResponse:
         if self.experts is None:
