@@ -107,7 +107,8 @@ def drive(policy: Autoscaler, rate_at: Callable[[float], float], num_intervals: 
     return run
 
 
-def noisy(base: Callable[[float], float], sd_fraction: float, seed: int) -> Callable[[float], float]:
+def noisy(base: Callable[[float], float], sd_fraction: float,
+          seed: int) -> Callable[[float], float]:
     rng = random.Random(seed)
     cache: dict[float, float] = {}
 
@@ -251,7 +252,7 @@ def test_scale_down_waits_then_steps() -> None:
     assert prefill[drop - 1] > need(6.0)[0] + 3
     first_down = next(i for i in range(drop, len(prefill)) if prefill[i] < prefill[drop - 1])
     assert (first_down - drop) * INTERVAL_S >= config.scale_down_delay_s
-    for a, b in zip(prefill[drop:], prefill[drop + 1:]):
+    for a, b in zip(prefill[drop:], prefill[drop + 1:], strict=False):
         assert a - b <= max(1, math.floor(0.1 * a))
     assert prefill[-1] < prefill[drop - 1] / 2  # it does get there
 

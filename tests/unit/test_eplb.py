@@ -1,4 +1,5 @@
-"""Contracts of the expert placement (EPLB): shapes, consistency, groups on nodes, balance, moves."""
+"""Contracts of the expert placement (EPLB): shapes, consistency, groups on nodes, balance,
+moves."""
 
 from __future__ import annotations
 

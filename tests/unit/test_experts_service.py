@@ -500,7 +500,8 @@ def mean_step_s(engine: SimEngine, num_steps: int = 20, batch: int = 64) -> floa
 
 
 def test_sim_decode_step_is_slower_under_a_worse_placement() -> None:
-    popularity = expert_popularity(NUM_LAYERS, NUM_EXPERTS, MOE_SIM.expert_skew, MOE_SIM.expert_seed)
+    popularity = expert_popularity(NUM_LAYERS, NUM_EXPERTS, MOE_SIM.expert_skew,
+                                   MOE_SIM.expert_seed)
     topology = PlacementTopology(10, 2, 1, 1, PlacementPolicy.GLOBAL)
     good = plan_expert_placement(popularity, topology).slot_to_expert
     bad = clustered_slot_map(popularity, 10)

@@ -50,6 +50,10 @@ from pdserve.capacity.sizing import (
 RATE_LIMIT_WINDOW_S = 60.0
 """``max_step_per_minute`` counts target changes over this rolling window."""
 
+DEFAULT_CONFIG = AutoscalerConfig()
+NO_CONTROLS = AutoscalerControls()
+"""The operator's controls until any are set: no bounds but the defaults, no budget."""
+
 _EPSILON = 1e-9
 
 
@@ -76,8 +80,8 @@ class Autoscaler:
     ``ScalingPolicy``: synchronous, no I/O, state only in memory (forecast, error history,
     hysteresis windows). Operator controls change with ``set_controls``."""
 
-    def __init__(self, profile: InstanceProfile, config: AutoscalerConfig = AutoscalerConfig(),
-                 controls: AutoscalerControls = AutoscalerControls()) -> None:
+    def __init__(self, profile: InstanceProfile, config: AutoscalerConfig = DEFAULT_CONFIG,
+                 controls: AutoscalerControls = NO_CONTROLS) -> None:
         controls.check(profile)
         self.profile = profile
         self.config = config

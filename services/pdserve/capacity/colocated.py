@@ -127,17 +127,17 @@ def mixed_step_time_s(perf: PerfModel, batch_size: float, context_tokens: float,
     all) plus a prefill chunk of ``chunk_tokens`` tokens that follows ``chunk_offset_tokens``
     already-computed tokens of its prompt. The module docstring gives the formula."""
     if chunk_tokens <= 0:
-        return perf.decode_step_time_s(batch_size, context_tokens)  # type: ignore[arg-type]
+        return perf.decode_step_time_s(batch_size, context_tokens)
     terms = _StepTerms.of(perf)
     eff = perf.efficiency
     peak = perf.peak_flops_per_s
-    decode = perf.decode_work(batch_size, context_tokens)  # type: ignore[arg-type]
+    decode = perf.decode_work(batch_size, context_tokens)
     decode_compute_s = decode.flops / (peak * eff.decode_mfu) if batch_size > 0 else 0.0
     chunk_flops = (terms.flops_per_token * chunk_tokens + terms.attn_flops_per_token_pair
                    * chunk_tokens * (2.0 * chunk_offset_tokens + chunk_tokens))
     compute_s = decode_compute_s + chunk_flops / (peak * eff.prefill_mfu)
     kv = perf.kv_bytes_per_token_per_gpu
-    weights = perf.decode_work(batch_size + chunk_tokens, 0).memory_bytes  # type: ignore[arg-type]
+    weights = perf.decode_work(batch_size + chunk_tokens, 0).memory_bytes
     memory_bytes = weights + kv * (context_tokens + chunk_offset_tokens + chunk_tokens)
     memory_s = memory_bytes / (perf.gpu.hbm_bytes_per_s * eff.mbu)
     comm_s = (terms.comm_bytes_per_token * (batch_size + chunk_tokens)

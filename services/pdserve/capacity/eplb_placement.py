@@ -144,14 +144,16 @@ class ExpertPlacement:
 
 
 def gpu_loads(placement: ExpertPlacement, expert_loads: np.ndarray) -> np.ndarray:
-    """Load on every GPU, ``[layers, num_gpus]``, each expert's load split evenly over its copies."""
+    """Load on every GPU, ``[layers, num_gpus]``, each expert's load split evenly over its
+    copies."""
     loads = validated_loads(expert_loads, placement.topology, num_experts=placement.num_experts)
     check_layers(loads, placement)
     return packing.gpu_loads(placement.slot_to_expert, loads, placement.topology.num_gpus)
 
 
 def gpu_balancedness(placement: ExpertPlacement, expert_loads: np.ndarray) -> np.ndarray:
-    """Per layer mean GPU load / max GPU load, ``[layers]`` in (0, 1]; 1.0 for a layer with no load."""
+    """Per layer mean GPU load / max GPU load, ``[layers]`` in (0, 1]; 1.0 for a layer with no
+    load."""
     return _balancedness(gpu_loads(placement, expert_loads))
 
 
@@ -184,18 +186,21 @@ def validated_loads(
         ) from exc
     if loads.ndim != 2 or loads.shape[0] < 1 or loads.shape[1] < 1:
         raise InvalidArgumentError(
-            f"expert_loads must be a non-empty 2-D matrix [num_layers, num_experts], got shape {loads.shape}",
+            f"expert_loads must be a non-empty 2-D matrix [num_layers, num_experts], got shape "
+            f"{loads.shape}",
             field="expert_loads",
         )
     found_experts = loads.shape[1]
     if num_experts is not None and found_experts != num_experts:
         raise InvalidArgumentError(
-            f"expert_loads must have one column per expert: expected {num_experts}, got {found_experts}",
+            f"expert_loads must have one column per expert: expected {num_experts}, got "
+            f"{found_experts}",
             field="expert_loads",
         )
     if not np.isfinite(loads).all():
         raise InvalidArgumentError(
-            f"expert_loads must be finite, found {int((~np.isfinite(loads)).sum())} non-finite entries",
+            f"expert_loads must be finite, found {int((~np.isfinite(loads)).sum())} non-finite "
+            "entries",
             field="expert_loads",
         )
     if (loads < 0).any():

@@ -97,9 +97,10 @@ class SizingConfig:
     ``tpot_slo_s`` bounds the decode batch (the step time of a full batch must meet it);
     ``*_target_utilization`` is the share of an instance's throughput the plan uses at the
     forecast demand (the rest absorbs arrivals bunching within an interval: TTFT includes queue
-    wait; decode throughput at the TPOT-limited batch). ``kv_growth_fraction``: share of the output a sequence's KV reservation covers (1 =
-    the whole output, as the router reserves an expected length up front; 0.5 = the average
-    footprint of sequences that grow block by block).
+    wait; decode throughput at the TPOT-limited batch). ``kv_growth_fraction``: share of the
+    output a sequence's KV reservation covers (1 = the whole output, as the router reserves an
+    expected length up front; 0.5 = the average footprint of sequences that grow block by
+    block).
     """
 
     tpot_slo_s: float = 0.1

@@ -150,4 +150,4 @@ def _decode_step_s(perf: PerfModel, batch: float, context_per_seq: float) -> flo
     """Decode step time at a fractional batch (the roofline is linear in the batch); a batch
     near 0 still pays the weight read and the overheads."""
     batch = max(batch, 1e-6)
-    return perf.decode_step_time_s(batch, batch * context_per_seq)  # type: ignore[arg-type]
+    return perf.decode_step_time_s(batch, batch * context_per_seq)

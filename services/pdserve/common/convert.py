@@ -42,7 +42,7 @@ _TICKET_TO_PB = {
 _TICKET_FROM_PB = {value: key for key, value in _TICKET_TO_PB.items()}
 
 
-def role_to_pb(role: WorkerRole) -> int:
+def role_to_pb(role: WorkerRole) -> pb.WorkerRole:
     return _ROLE_TO_PB[role]
 
 

@@ -432,7 +432,8 @@ class CapacityGovernor:
                 (WorkerRole.PREFILL, observation.prefill, decision.num_prefill),
                 (WorkerRole.DECODE, observation.decode, decision.num_decode)):
             current = pool.num_ready + pool.num_starting
-            before = previous[role] if previous[role] is not None else current
+            last_target = previous[role]
+            before = last_target if last_target is not None else current
             action = (ScalingAction.SCALE_UP if target > before
                       else ScalingAction.SCALE_DOWN if target < before else ScalingAction.HOLD)
             reason = str(decision.inputs.get(f"{role.value}_reason", decision.reason))

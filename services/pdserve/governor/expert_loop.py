@@ -14,9 +14,10 @@ counts into the decayed load estimate, decides whether to re-plan and plans (the
    workers report in force, stored in the durable store *before* anything is rolled out, so a
    restarted governor (or its standby) never issues a version twice;
 2. **rolls it out** to every worker of the pool that has not acknowledged it:
-   ``ApplyExpertPlacement`` to each worker on its own, concurrently, each call under a deadline. Routing does not pause:
-   a worker swaps the new map in between two forward passes and keeps serving, and workers that
-   fail (or join later, or restart) are retried on the next tick until each acknowledges.
+   ``ApplyExpertPlacement`` to each worker on its own, concurrently, each call under a
+   deadline. Routing does not pause: a worker swaps the new map in between two forward passes
+   and keeps serving, and workers that fail (or join later, or restart) are retried on the next
+   tick until each acknowledges.
 
 Pools are keyed by deployment and role (``placement_key``). The instance's GPUs
 (``WorkerInfo.num_gpus``) are the expert-parallel group a placement spreads over; every worker

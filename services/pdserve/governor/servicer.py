@@ -131,7 +131,8 @@ def controls_from_pb(request: governor_pb2.SetAutoscalerControlsRequest,
     )
 
 
-def _lengths_from_pb(lengths: governor_pb2.LengthDistribution, name: str) -> tuple[float, tuple[int, ...]]:
+def _lengths_from_pb(lengths: governor_pb2.LengthDistribution,
+                     name: str) -> tuple[float, tuple[int, ...]]:
     """(mean tokens, samples) of a length distribution; one of them must be given."""
     samples = tuple(int(x) for x in lengths.samples_tokens)
     if any(x < 1 for x in samples):
@@ -197,7 +198,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             raise UnavailableError("the autoscaler is not running in this governor")
         return self.governor
 
-    async def GetPlan(self, request: governor_pb2.GetPlanRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetPlanResponse:
+    async def GetPlan(self, request: governor_pb2.GetPlanRequest,
+                      context: grpc.aio.ServicerContext
+                      ) -> governor_pb2.GetPlanResponse:
         governor = self._governor()
         decision, at_s, stored = await governor.latest(request.deployment)
         spec = governor.spec(request.deployment)
@@ -213,7 +216,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             spec, prefill.num_target_instances, decode.num_target_instances,
             {**prefill.inputs, **prefill.forecast}, at))
 
-    async def WhatIfPlan(self, request: governor_pb2.WhatIfPlanRequest, context: grpc.aio.ServicerContext) -> governor_pb2.WhatIfPlanResponse:
+    async def WhatIfPlan(self, request: governor_pb2.WhatIfPlanRequest,
+                         context: grpc.aio.ServicerContext
+                         ) -> governor_pb2.WhatIfPlanResponse:
         demand, slo, prefill, decode = what_if_inputs(request)
         result = await asyncio.to_thread(planner.plan, demand, slo, [prefill], [decode])
         config, prediction = result.config, result.prediction
@@ -225,7 +230,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             goodput_per_gpu=result.goodput_per_gpu, demand=request.demand, slo=request.slo,
             created_unix_ms=int(self._clock() * 1000)))
 
-    async def ListDecisions(self, request: governor_pb2.ListDecisionsRequest, context: grpc.aio.ServicerContext) -> governor_pb2.ListDecisionsResponse:
+    async def ListDecisions(self, request: governor_pb2.ListDecisionsRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> governor_pb2.ListDecisionsResponse:
         limit = request.limit or DEFAULT_LIST_LIMIT
         if limit > MAX_LIST_LIMIT:
             raise InvalidArgumentError(f"limit: at most {MAX_LIST_LIMIT}, got {limit}",
@@ -236,7 +243,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
         return governor_pb2.ListDecisionsResponse(
             decisions=[decision_to_pb(record) for record in records])
 
-    async def SetAutoscalerControls(self, request: governor_pb2.SetAutoscalerControlsRequest, context: grpc.aio.ServicerContext) -> governor_pb2.SetAutoscalerControlsResponse:
+    async def SetAutoscalerControls(self, request: governor_pb2.SetAutoscalerControlsRequest,
+                                    context: grpc.aio.ServicerContext
+                                    ) -> governor_pb2.SetAutoscalerControlsResponse:
         governor = self._governor()
         governor.spec(request.deployment)  # NOT_FOUND / INVALID_ARGUMENT before anything else
         controls = controls_from_pb(request, self._clock())
@@ -246,7 +255,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
     experts: ExpertPlacementService | None = None
     """The expert-placement loop (``pdserve.governor.expert_service``), set by the app."""
 
-    async def GetCapacity(self, request: governor_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetCapacityResponse:
+    async def GetCapacity(self, request: governor_pb2.GetCapacityRequest,
+                          context: grpc.aio.ServicerContext
+                          ) -> governor_pb2.GetCapacityResponse:
         if not request.model:
             raise InvalidArgumentError("model: required", field="model")
         if not request.gpu:
@@ -263,7 +274,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             kv_pool_bytes=report.kv_pool_bytes,
         )
 
-    async def WhatIfExpertPlacement(self, request: governor_pb2.WhatIfExpertPlacementRequest, context: grpc.aio.ServicerContext) -> governor_pb2.WhatIfExpertPlacementResponse:
+    async def WhatIfExpertPlacement(self, request: governor_pb2.WhatIfExpertPlacementRequest,
+                                    context: grpc.aio.ServicerContext
+                                    ) -> governor_pb2.WhatIfExpertPlacementResponse:
         num_layers, num_experts = request.num_layers, request.num_experts
         if num_layers < 1 or num_experts < 1:
             raise InvalidArgumentError("num_layers, num_experts: must be >= 1", field="num_layers")
@@ -276,14 +289,17 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             raise InvalidArgumentError(f"policy: unknown placement policy {request.policy}",
                                        field="policy")
         topology = PlacementTopology(
-            num_slots=request.num_slots, num_gpus=request.num_gpus, num_nodes=request.num_nodes or 1,
+            num_slots=request.num_slots, num_gpus=request.num_gpus,
+            num_nodes=request.num_nodes or 1,
             num_groups=request.num_groups or 1, policy=_POLICY[request.policy],
         )
         placement = await asyncio.to_thread(plan_expert_placement, loads, topology)
         return governor_pb2.WhatIfExpertPlacementResponse(
             placement=placement_to_pb(placement, gpu_balancedness(placement, loads)))
 
-    async def GetExpertPlacement(self, request: governor_pb2.GetExpertPlacementRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetExpertPlacementResponse:
+    async def GetExpertPlacement(self, request: governor_pb2.GetExpertPlacementRequest,
+                                 context: grpc.aio.ServicerContext
+                                 ) -> governor_pb2.GetExpertPlacementResponse:
         if self.experts is None:
             raise UnavailableError("expert placement is not running in this governor")
         return await self.experts.get_expert_placement(request)

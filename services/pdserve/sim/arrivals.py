@@ -6,23 +6,13 @@ the router would size for it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
 
 from pdserve.router.policy import RouteRequest, RoutingConfig, num_blocks_to_reserve
 from pdserve.sim.state import SimRequest
-from pdserve.sim.traces import Trace
+from pdserve.sim.traces import Trace, iter_chunks
 
 CHUNK_REQUESTS = 1 << 14
 """Trace rows read at once."""
-
-
-class ArrivalChunk(NamedTuple):
-    """Rows ``start ..`` of a trace: arrival times (s), prompt and output lengths (tokens)."""
-
-    start: int
-    arrival_s: list[float]
-    prompt_tokens: list[int]
-    output_tokens: list[int]
 
 
 class TraceArrivals:
@@ -47,14 +37,9 @@ class TraceArrivals:
         """When the last request arrives (0 for an empty trace)."""
         return float(self.trace.arrival_s[-1]) if self.trace.num_requests else 0.0
 
-    def chunks(self) -> Iterator[ArrivalChunk]:
-        trace = self.trace
-        n = trace.num_requests
-        for start in range(0, n, CHUNK_REQUESTS):
-            stop = min(n, start + CHUNK_REQUESTS)
-            yield ArrivalChunk(start, trace.arrival_s[start:stop].tolist(),
-                               trace.prompt_tokens[start:stop].tolist(),
-                               trace.output_tokens[start:stop].tolist())
+    def chunks(self) -> Iterator[tuple[int, list[float], list[int], list[int]]]:
+        """``(start, arrival times, prompt lengths, output lengths)`` of consecutive rows."""
+        return iter_chunks(self.trace, CHUNK_REQUESTS)
 
     def request(self, i: int, arrival_s: float, prompt_tokens: int,
                 output_tokens: int) -> SimRequest:

@@ -49,10 +49,10 @@ def start_run(dec: DecodeInstance, now: float, timing: DecodeTiming) -> float:
     n = dec.n_batch
     context = dec.ctx_base + n * dec.steps
     num_steps = dec.heap[0][0] - dec.steps
-    by_batch = timing.lines_by_batch
-    lines = by_batch.get(n, False)
-    if lines is False:
-        lines = by_batch[n] = timing.model.decode_step_lines(n)
+    try:
+        lines = timing.lines_by_batch[n]
+    except KeyError:
+        lines = timing.lines_by_batch[n] = timing.model.decode_step_lines(n)
     delta_s = 0.0
     if lines is not None:  # step time = the larger of two lines in the context length
         base_a, slope_a, base_b, slope_b = lines
