@@ -229,7 +229,7 @@ def main() -> int:
             continue
         rate = max_rate_near(lambda r, c=point.config: attainment_at(c, r),
                              max(point.goodput_rate_per_s, 0.5), SLO.attainment_target)
-        sweep_points.append(pl.SweepPoint(point.config, rate))
+        sweep_points.append(pl.GoodputPoint(point.config, rate))
     best = max(sweep_points, key=lambda p: p.goodput_per_gpu)
     evaluated_by = "simulator" if evaluator is not None else "analytic model"
     print(f"\nP:D sweep of {num_gpus} GPUs (TP{tp_plan}), goodput by the {evaluated_by}")

@@ -63,7 +63,7 @@ from pdserve.capacity.latency_model import (
     unstable_prediction,
 )
 from pdserve.capacity.plan_inputs import Demand, InstanceShape, Slo
-from pdserve.capacity.planner import max_rate
+from pdserve.capacity.planner import GoodputPoint, max_rate
 from pdserve.capacity.queueing import mgc_wait, moments, smallest_fixed_point
 from pdserve.capacity.workload import (
     Workload,
@@ -276,19 +276,10 @@ def goodput_rate_per_s(config: ColocatedConfig, demand: Demand, slo: Slo) -> flo
                     slo.attainment_target, max(demand.rate_per_s, 1e-3))
 
 
-@dataclass(frozen=True, slots=True)
-class ColocatedResult:
-    config: ColocatedConfig
-    goodput_rate_per_s: float
-
-    @property
-    def goodput_per_gpu(self) -> float:
-        return self.goodput_rate_per_s / self.config.num_gpus
-
-
 def best_colocated(demand: Demand, slo: Slo, shapes: Sequence[InstanceShape], num_gpus: int,
                    token_budgets: Sequence[int] = DEFAULT_TOKEN_BUDGETS
-                   ) -> tuple[ColocatedResult, tuple[ColocatedResult, ...]]:
+                   ) -> tuple[GoodputPoint[ColocatedConfig],
+                              tuple[GoodputPoint[ColocatedConfig], ...]]:
     """The (shape, token budget) with the highest goodput per GPU on ``num_gpus`` GPUs (as many
     instances of each shape as fit), and every configuration tried, best first."""
     results = []
@@ -299,7 +290,7 @@ def best_colocated(demand: Demand, slo: Slo, shapes: Sequence[InstanceShape], nu
             continue
         for budget in token_budgets:
             config = ColocatedConfig(shape, num_instances, budget)
-            results.append(ColocatedResult(config, goodput_rate_per_s(config, demand, slo)))
+            results.append(GoodputPoint(config, goodput_rate_per_s(config, demand, slo)))
     if not results:
         raise InvalidArgumentError(f"no shape fits in {num_gpus} GPUs", field="num_gpus")
     results.sort(key=lambda r: -r.goodput_per_gpu)

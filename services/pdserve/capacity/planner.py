@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from pdserve.capacity.disaggregated import predict_workload, with_threshold
 from pdserve.capacity.latency_model import Prediction
@@ -196,11 +197,20 @@ def plan(demand: Demand, slo: Slo, prefill_shapes: Sequence[InstanceShape],
                 goodput_per_gpu=rate / config.num_gpus)
 
 
-@dataclass(frozen=True, slots=True)
-class SweepPoint:
-    """One P:D split of a GPU budget and its goodput."""
+class _OnGpus(Protocol):
+    @property
+    def num_gpus(self) -> int: ...
 
-    config: DisaggConfig
+
+ConfigT = TypeVar("ConfigT", bound=_OnGpus)
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputPoint(Generic[ConfigT]):
+    """A configuration (a P:D split of a GPU budget, a colocated deployment, ...) and its
+    goodput: requests/s at ``slo.percentile`` attainment."""
+
+    config: ConfigT
     goodput_rate_per_s: float
 
     @property
@@ -210,7 +220,7 @@ class SweepPoint:
 
 def sweep_pd(demand: Demand, slo: Slo, prefill: InstanceShape, decode: InstanceShape,
              num_gpus: int, attainment_at: Callable[[DisaggConfig, float], float] | None = None
-             ) -> tuple[SweepPoint, ...]:
+             ) -> tuple[GoodputPoint[DisaggConfig], ...]:
     """Goodput of every split of ``num_gpus`` GPUs into prefill and decode instances.
 
     ``attainment_at(config, rate)`` evaluates a configuration (default: this module's model);
@@ -232,5 +242,5 @@ def sweep_pd(demand: Demand, slo: Slo, prefill: InstanceShape, decode: InstanceS
             def evaluate(rate: float, c: DisaggConfig = config) -> float:
                 return attainment_at(c, rate)
         rate = max_rate(evaluate, slo.attainment_target, max(demand.rate_per_s, 1e-3))
-        points.append(SweepPoint(config, rate))
+        points.append(GoodputPoint(config, rate))
     return tuple(points)

@@ -281,9 +281,7 @@ class ExpertPlacementGovernor:
         try:
             topology = pool_topology(num_gpus, loads.shape[1], pool.role, self.policy)
         except InvalidArgumentError as exc:
-            pool.last_error = exc.message
-            logger.warning("%s/%s: cannot place experts: %s", pool.deployment, pool.role,
-                           exc.message)
+            _cannot_place(pool, exc)
             return
         current = pool.current.placement if pool.current is not None else None
         # The placement in force, if it still fits this topology and load shape.
@@ -302,9 +300,7 @@ class ExpertPlacementGovernor:
                                               _expert_bytes(model_name),
                                               self.policy.balance_tolerance)
         except InvalidArgumentError as exc:
-            pool.last_error = exc.message
-            logger.warning("%s/%s: cannot place experts: %s", pool.deployment, pool.role,
-                           exc.message)
+            _cannot_place(pool, exc)
             return
         pool.last_plan_s = now_s
         if is_current and outcome.num_experts_moved == 0:
@@ -431,6 +427,12 @@ def _has_acknowledged(pool: _Pool, record: WorkerRecord, version: int) -> bool:
     """The worker acknowledged ``version`` (or a newer one) since it last registered."""
     ack = pool.acks.get(record.worker_id)
     return ack is not None and ack[0] == record.registered_s and ack[1] >= version
+
+
+def _cannot_place(pool: _Pool, exc: InvalidArgumentError) -> None:
+    """The settings or the instance shape rule out any placement: say so, keep what runs."""
+    pool.last_error = exc.message
+    logger.warning("%s/%s: cannot place experts: %s", pool.deployment, pool.role, exc.message)
 
 
 def _is_compatible(placement: ExpertPlacement, shape: tuple[int, int]) -> bool:
