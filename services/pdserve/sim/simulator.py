@@ -138,7 +138,7 @@ class Simulator:
             fleet.make_ready(fleet.launch(WorkerRole.PREFILL, self.now), self.now)
         for _ in range(cluster.num_decode):
             fleet.make_ready(fleet.launch(WorkerRole.DECODE, self.now), self.now)
-        self._blocks_freed = bool(cluster.num_decode)
+        self._blocks_freed = bool(cluster.num_decode)  # room appeared, as when any turns ready
         for failure in self.config.failures:
             self._push(failure.time_s, EV_FAIL, failure.instance_id)
         if self.policy is not None:
