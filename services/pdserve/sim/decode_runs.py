@@ -132,19 +132,18 @@ def finish_run(dec: DecodeInstance) -> list[SimRequest]:
 
 def join_waiting(dec: DecodeInstance, max_batch_size: int, now: float) -> None:
     """Sequences waiting for a batch slot join the batch at this step boundary, oldest first,
-    up to ``max_batch_size``."""
+    up to ``max_batch_size`` (the caller checks that some wait and the batch has room)."""
     waiting = dec.waiting
-    if waiting and dec.n_batch < max_batch_size:
-        room = max_batch_size - dec.n_batch
-        steps = dec.steps
-        heap = dec.heap
-        for _ in range(min(room, len(waiting))):
-            req = waiting.popleft()
-            req.join_step = steps
-            req.join_s = now
-            heapq.heappush(heap, (steps + req.output - 1, req.i, req))
-            dec.ctx_base += req.prompt + 1 - steps
-        dec.n_batch = len(heap)
+    room = max_batch_size - dec.n_batch
+    steps = dec.steps
+    heap = dec.heap
+    for _ in range(min(room, len(waiting))):
+        req = waiting.popleft()
+        req.join_step = steps
+        req.join_s = now
+        heapq.heappush(heap, (steps + req.output - 1, req.i, req))
+        dec.ctx_base += req.prompt + 1 - steps
+    dec.n_batch = len(heap)
 
 
 def take_local_batch(dec: DecodeInstance,

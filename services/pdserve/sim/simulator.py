@@ -123,7 +123,14 @@ class Simulator:
         self._recorder = recorder = Recorder(trace, config, self.model)
         self._window = ScalingWindow(config)
         self._fleet = fleet = Fleet(config, self.model, usage, recorder)
-        self._shortlist = fleet.shortlist
+        self._shortlist = shortlist = fleet.shortlist
+        self._by_id = fleet.by_id
+        # Hot-path calls, bound once (several per request).
+        self._move_ticket = recorder.move_ticket
+        self._change_used = usage.change_used
+        self._update_decode = shortlist.update_decode
+        self._update_prefill = shortlist.update_prefill
+        self._maybe_leave = fleet.maybe_leave
         self._handlers: list[Callable[[Any], None]] = [
             self._on_prefill_done, self._on_kv_landed, self._on_decode_step, self._on_ready,
             self._on_fail, self._on_scale, self._on_sample]
@@ -226,26 +233,26 @@ class Simulator:
                              self.config.routing)
         except (CapacityError, UnavailableError):
             return False
-        dec = self._fleet.by_id[decision.decode_worker_id]
+        dec = self._by_id[decision.decode_worker_id]
         assert isinstance(dec, DecodeInstance)
         num_blocks = decision.num_blocks
         req.num_blocks = num_blocks
         req.num_attempts += 1
         req.dec = dec
         req.ticket = OPEN  # a new ticket: no transition to count
-        self._usage.change_used(self.now, num_blocks)
+        self._change_used(self.now, num_blocks)
         dec.free -= num_blocks
         dec.assigned.add(req)
-        shortlist.update_decode(dec)
+        self._update_decode(dec)
         if decision.prefill_worker_id:
-            pre = self._fleet.by_id[decision.prefill_worker_id]
+            pre = self._by_id[decision.prefill_worker_id]
             assert isinstance(pre, PrefillInstance)
             req.pre = pre
             req.is_local = False
             pre.queue.append((req, req.attempt))
             pre.queued_tokens += req.prompt
             pre.assigned.add(req)
-            shortlist.update_prefill(pre)
+            self._update_prefill(pre)
             if not pre.busy:
                 self._start_prefill(pre)
         else:
@@ -271,7 +278,7 @@ class Simulator:
         batch: list[tuple[SimRequest, int]] = []
         lengths: list[int] = []
         total = 0
-        move_ticket = self._recorder.move_ticket
+        move_ticket = self._move_ticket
         while queue:
             req, attempt = queue[0]
             if req.attempt != attempt:
@@ -296,7 +303,7 @@ class Simulator:
             total += uncached
         if not batch:
             pre.busy = False
-            self._fleet.maybe_leave(pre, self.now)
+            self._maybe_leave(pre, self.now)
             return
         duration = self._prefill_s(lengths)
         self._usage.add_prefill_busy(duration)
@@ -313,13 +320,13 @@ class Simulator:
         for req, attempt in pre.batch:
             if req.attempt != attempt:
                 continue
-            self._recorder.move_ticket(req, TRANSFERRING)
+            self._move_ticket(req, TRANSFERRING)
             pre.queued_tokens -= req.prompt
             req.compute_s = duration
             num_tokens += req.prompt
             landing.append((req, attempt))
         pre.batch = []
-        self._shortlist.update_prefill(pre)
+        self._update_prefill(pre)
         if landing:
             exposed = self.model.exposed_transfer_s(num_tokens, duration)
             for req, _ in landing:
@@ -329,19 +336,19 @@ class Simulator:
         if pre.queue:
             self._start_prefill(pre)
         else:
-            self._fleet.maybe_leave(pre, self.now)
+            self._maybe_leave(pre, self.now)
 
     def _on_kv_landed(self, landing: list[tuple[SimRequest, int]]) -> None:
         for req, attempt in landing:
             if req.attempt != attempt:
                 continue
-            self._recorder.move_ticket(req, DONE)
+            self._move_ticket(req, DONE)
             pre = req.pre
             assert pre is not None
             pre.assigned.discard(req)
             self._first_token(req)
             if pre.state == DRAINING:
-                self._fleet.maybe_leave(pre, self.now)
+                self._maybe_leave(pre, self.now)
 
     # -- decode instances ---------------------------------------------------------------------
 
@@ -354,7 +361,7 @@ class Simulator:
             return
         dec.waiting.append(req)
         dec.running += 1
-        self._shortlist.update_decode(dec)
+        self._update_decode(dec)
         if not dec.busy:
             self._next_step(dec)
         elif dec.n_batch < self.config.cluster.max_batch_size:
@@ -370,7 +377,7 @@ class Simulator:
             batch, dec.local_batch = dec.local_batch, []
             for req, attempt in batch:
                 if req.attempt == attempt:
-                    self._recorder.move_ticket(req, DONE)
+                    self._move_ticket(req, DONE)
                     req.compute_s = dec.step_s
                     req.transfer_s = 0.0
                     self._first_token(req)
@@ -396,12 +403,14 @@ class Simulator:
             dec.run_steps = 1
             self._push(self.now + duration, EV_DECODE_STEP, (dec, dec.epoch))
             return
-        join_waiting(dec, self.config.cluster.max_batch_size, self.now)
+        max_batch_size = self.config.cluster.max_batch_size
+        if dec.waiting and dec.n_batch < max_batch_size:
+            join_waiting(dec, max_batch_size, self.now)
         if dec.n_batch:
             self._start_run(dec)
         else:
             dec.step_kind = STEP_DECODE
-            self._fleet.maybe_leave(dec, self.now)
+            self._maybe_leave(dec, self.now)
 
     def _start_run(self, dec: DecodeInstance) -> None:
         """Decode steps until the batch's next completion, as one event (``start_run``)."""
@@ -419,18 +428,18 @@ class Simulator:
     def _finish(self, req: SimRequest, dec: DecodeInstance) -> None:
         """``req`` produced its last token on ``dec``: record it and free its blocks."""
         now = self.now
-        self._usage.change_used(now, -req.num_blocks)
+        self._change_used(now, -req.num_blocks)
         dec.free += req.num_blocks
         if req.output > 1:
             dec.running -= 1
         dec.assigned.discard(req)
-        self._shortlist.update_decode(dec)
+        self._update_decode(dec)
         self._blocks_freed = True
         ttft, tpot = self._recorder.completed(req, dec, now)
         self._in_flight -= 1
         self._window.completed(ttft, tpot)
         if dec.state == DRAINING:
-            self._fleet.maybe_leave(dec, now)
+            self._maybe_leave(dec, now)
 
     def _finish_unserved(self, req: SimRequest, status: RequestStatus) -> None:
         self._recorder.unserved(req, status, self.now)
@@ -454,7 +463,7 @@ class Simulator:
         victims = sorted(inst.assigned, key=lambda r: r.i)
         inst.assigned.clear()
         if isinstance(inst, DecodeInstance):
-            self._usage.change_used(self.now, inst.free - inst.total)
+            self._change_used(self.now, inst.free - inst.total)
         inst.lose_work()
         retries = []
         for req in victims:
@@ -473,23 +482,23 @@ class Simulator:
         """End ``req``'s current attempt (before its first token) and free what it holds on
         the instances that did not fail. Its queue entries become stale (attempt mismatch)."""
         was = req.ticket
-        self._recorder.move_ticket(req, ABORTED)
+        self._move_ticket(req, ABORTED)
         req.ticket = -1
         req.attempt += 1
         dec, pre = req.dec, req.pre
         req.dec = req.pre = None
         if dec is not None and dec is not failed:
-            self._usage.change_used(self.now, -req.num_blocks)
+            self._change_used(self.now, -req.num_blocks)
             dec.free += req.num_blocks
             dec.assigned.discard(req)
-            self._shortlist.update_decode(dec)
-            self._fleet.maybe_leave(dec, self.now)
+            self._update_decode(dec)
+            self._maybe_leave(dec, self.now)
         if pre is not None and pre is not failed:
             if was in (OPEN, PREFILLING):
                 pre.queued_tokens -= req.prompt
-                self._shortlist.update_prefill(pre)
+                self._update_prefill(pre)
             pre.assigned.discard(req)
-            self._fleet.maybe_leave(pre, self.now)
+            self._maybe_leave(pre, self.now)
 
     # -- periodic: scaling and sampling -------------------------------------------------------
 
