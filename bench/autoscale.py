@@ -44,17 +44,17 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.capacity.autoscaler import (
-    Autoscaler,
-    AutoscalerConfig,
-    Demand,
+from pdserve.capacity.autoscaler import Autoscaler
+from pdserve.capacity.controls import AutoscalerConfig
+from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
+from pdserve.capacity.sizing import (
     InstanceProfile,
     SizingConfig,
+    SizingDemand,
     decode_batch_limit,
     instances_for,
     size_pools,
 )
-from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
 from pdserve.common.plotting import pyplot
 from pdserve.sim import ClusterSpec, SimConfig, SloSpec, simulate
 from pdserve.sim.result import MissReason
@@ -160,7 +160,8 @@ class PerfectForesight:
         """Instances for the highest rate in ``[start_s, end_s]`` (sampled every 10 s)."""
         times = np.append(np.arange(start_s, end_s, 10.0), end_s)
         rate = float(np.max(self.demand.rate_per_s(times)))
-        sizing = size_pools(self.profile, self.sizing, Demand(rate, self.prompt, self.output))
+        sizing = size_pools(self.profile, self.sizing,
+                            SizingDemand(rate, self.prompt, self.output))
         return max(1, instances_for(sizing.num_prefill)), max(1, instances_for(sizing.num_decode))
 
     def decide(self, observation: ScalingObservation) -> ScalingDecision:

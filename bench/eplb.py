@@ -1,4 +1,5 @@
-"""Benchmark redundant-expert placement (EPLB): greedy baseline vs refined, and migration-aware re-plans.
+"""Benchmark redundant-expert placement (EPLB): greedy baseline vs refined, and migration-aware
+re-plans.
 
 Configurations shaped like DeepSeek-V3 serving (256 routed experts, 58 MoE layers, 8 groups):
 
@@ -33,21 +34,17 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.capacity.eplb import (
-    DEEPSEEK_V3_EXPERT_BYTES,
-    DecodeCapacity,
-    ExpertMemoryModel,
-    PlacementMethod,
-    PlacementPolicy,
-    PlacementTopology,
-    choose_num_slots,
-    gpu_balancedness,
-    node_balancedness,
-    plan_expert_placement,
-    replan_with_migration,
-)
+from pdserve.capacity.eplb import PlacementMethod, plan_expert_placement
+from pdserve.capacity.eplb_memory import DecodeCapacity, ExpertMemoryModel, choose_num_slots
 from pdserve.capacity.eplb_migration import align_to_current
 from pdserve.capacity.eplb_packing import replicate_greedy
+from pdserve.capacity.eplb_placement import (
+    PlacementPolicy,
+    PlacementTopology,
+    gpu_balancedness,
+    node_balancedness,
+)
+from pdserve.capacity.eplb_replan import DEEPSEEK_V3_EXPERT_BYTES, replan_with_migration
 from pdserve.common.plotting import MISSING_NOTE, pyplot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,7 +162,8 @@ def run_placement_table(matrices: dict[str, np.ndarray]) -> tuple[dict, dict, li
     ours, baseline, rows = {}, {}, []
     header = (
         f"{'config':<6} {'matrix':<23}| {'baseline mean  min':>18} | {'refined mean  min':>17} |"
-        f" {'gain':>6} | {'bound':>6} | {'node base':>9} {'node ref':>8} | {'s base':>7} {'s ref':>6}"
+        f" {'gain':>6} | {'bound':>6} | {'node base':>9} {'node ref':>8} |"
+        f" {'s base':>7} {'s ref':>6}"
     )
     print("GPU balancedness = mean GPU load / max GPU load per layer (mean and worst of 58 layers)")
     print(header)
@@ -198,7 +196,8 @@ def run_placement_table(matrices: dict[str, np.ndarray]) -> tuple[dict, dict, li
             )
             print(
                 f"{name:<6} {key:<23}| {base[0].mean():>11.4f} {base[0].min():6.4f} |"
-                f" {ref[0].mean():>10.4f} {ref[0].min():6.4f} | {100 * gain:+5.2f}% | {bound:6.4f} |"
+                f" {ref[0].mean():>10.4f} {ref[0].min():6.4f} | {100 * gain:+5.2f}% |"
+                f" {bound:6.4f} |"
                 f" {base[1]:9.4f} {ref[1]:8.4f} | {base[2]:7.3f} {ref[2]:6.3f}",
                 flush=True,
             )
@@ -216,11 +215,13 @@ def run_migration(
     num_slots_total = {name: NUM_LAYERS * topology.num_slots for name, topology in CONFIGS.items()}
     print()
     print(
-        f"Migration over {num_steps} steps of drift on {key} (each load x U[0.8, 1.25] per step, seed {seed});"
-        f" a moved expert = a (layer, slot) whose expert changes, {DEEPSEEK_V3_EXPERT_BYTES / 1e6:.1f} MB each"
+        f"Migration over {num_steps} steps of drift on {key} (each load x U[0.8, 1.25] per step,"
+        f" seed {seed}); a moved expert = a (layer, slot) whose expert changes,"
+        f" {DEEPSEEK_V3_EXPERT_BYTES / 1e6:.1f} MB each"
     )
     header = (
-        f"{'config':<6} {'step':>4} | {'stay':>6} | {'migration bal  moved':>20} | {'scratch bal  moved':>18}"
+        f"{'config':<6} {'step':>4} | {'stay':>6} | {'migration bal  moved':>20} |"
+        f" {'scratch bal  moved':>18}"
         f" {'aligned':>8} | {'target':>6}"
     )
     for name, topology in CONFIGS.items():
@@ -270,7 +271,8 @@ def run_migration(
             ):
                 record[field].append(float(value))
             print(
-                f"{name:<6} {step:>4} | {stay:6.4f} | {migration_balance:>13.4f} {plan.num_experts_moved:6d} |"
+                f"{name:<6} {step:>4} | {stay:6.4f} | {migration_balance:>13.4f}"
+                f" {plan.num_experts_moved:6d} |"
                 f" {scratch_balance:>11.4f} {scratch_moved:6d} {aligned_moved:8d} |"
                 f" {plan.target_balancedness.mean():6.4f}",
                 flush=True,
@@ -297,7 +299,8 @@ def run_migration(
         s = summary[name]
         print(
             f"{name}: mean balancedness migration {s['balancedness_mean_migration']:.4f} vs scratch"
-            f" {s['balancedness_mean_scratch']:.4f}; experts moved per step {s['experts_moved_per_step_migration']:.0f}"
+            f" {s['balancedness_mean_scratch']:.4f}; experts moved per step"
+            f" {s['experts_moved_per_step_migration']:.0f}"
             f" vs {s['experts_moved_per_step_scratch']:.0f} from scratch"
             f" ({s['experts_moved_per_step_scratch_aligned']:.0f} after relabelling);"
             f" {s['gigabytes_moved_per_step_migration']:.1f} GB per step over the pool"
@@ -308,12 +311,14 @@ def run_migration(
 
 def run_memory_tradeoff(matrices: dict[str, np.ndarray], key: str) -> dict:
     print(
-        f"HBM trade-off on {key} (illustrative inputs: {KV_BYTES_PER_GPU / 2**30:.0f} GiB KV per GPU,"
-        f" {KV_BYTES_PER_BLOCK / 1e6:.2f} MB per 64-token MLA block, {BLOCKS_PER_SEQUENCE:.0f} blocks per sequence,"
+        f"HBM trade-off on {key} (illustrative inputs: {KV_BYTES_PER_GPU / 2**30:.0f} GiB KV"
+        f" per GPU, {KV_BYTES_PER_BLOCK / 1e6:.2f} MB per 64-token MLA block,"
+        f" {BLOCKS_PER_SEQUENCE:.0f} blocks per sequence,"
         f" compute limit {MAX_SEQUENCES_PER_GPU:.0f} sequences per GPU at perfect balance)"
     )
     print(
-        f"{'config':<6} {'slots':>5} {'redund.':>7} {'blocks lost':>11} {'balance':>7} {'kv seq':>7} {'compute seq':>11} {'proxy':>6}"
+        f"{'config':<6} {'slots':>5} {'redund.':>7} {'blocks lost':>11} {'balance':>7}"
+        f" {'kv seq':>7} {'compute seq':>11} {'proxy':>6}"
     )
     loads = matrices[key]
     choices = {}
@@ -338,8 +343,9 @@ def run_memory_tradeoff(matrices: dict[str, np.ndarray], key: str) -> dict:
         for option in options:
             mark = "  <- chosen" if option is best else ""
             print(
-                f"{name:<6} {option.num_slots:5d} {option.num_redundant_slots:7d} {option.kv_blocks_given_up_per_gpu:11d}"
-                f" {option.balancedness:7.4f} {option.kv_limited_sequences:7.1f} {option.compute_limited_sequences:11.1f}"
+                f"{name:<6} {option.num_slots:5d} {option.num_redundant_slots:7d}"
+                f" {option.kv_blocks_given_up_per_gpu:11d} {option.balancedness:7.4f}"
+                f" {option.kv_limited_sequences:7.1f} {option.compute_limited_sequences:11.1f}"
                 f" {option.goodput_proxy:6.1f}{mark}"
             )
         choices[name] = best.num_slots

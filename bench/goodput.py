@@ -40,6 +40,8 @@ import numpy as np
 
 from pdserve.capacity import colocated as co
 from pdserve.capacity import planner as pl
+from pdserve.capacity.disaggregated import predict
+from pdserve.capacity.plan_inputs import Demand, DisaggConfig, InstanceShape, Slo
 from pdserve.cli.capacity_cmd import table
 from pdserve.cli.plan import plot_sweep
 
@@ -47,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
 OUT_DIR = ROOT / "bench" / "out"
 MODEL, GPU = "llama-3.1-70b", "h100-sxm-80gb"
-SLO = pl.Slo(ttft_s=1.0, tpot_s=0.040, percentile=90.0)
+SLO = Slo(ttft_s=1.0, tpot_s=0.040, percentile=90.0)
 TP_SIZES = (2, 4, 8)
 WARMUP_S = 60.0
 
@@ -83,7 +85,7 @@ class SimEvaluator:
         self.num_runs = 0
         self.wall_s = 0.0
 
-    def run(self, config: pl.DisaggConfig, rate: float, seed: int = 1):
+    def run(self, config: DisaggConfig, rate: float, seed: int = 1):
         from pdserve.router.policy import RoutingConfig
 
         cluster_cls, config_cls, slo_cls, simulate = self._classes
@@ -101,7 +103,7 @@ class SimEvaluator:
         self.num_runs += 1
         return result
 
-    def attainment(self, config: pl.DisaggConfig, rate: float) -> float:
+    def attainment(self, config: DisaggConfig, rate: float) -> float:
         result = self.run(config, rate)
         counted = result.arrival_s >= WARMUP_S
         return float(result.met_slo()[counted].mean())
@@ -149,7 +151,7 @@ def main() -> int:
         args.duration_s = 180.0
     started = time.perf_counter()
     prompts, outputs, source = load_lengths(args.trace)
-    demand = pl.Demand(args.rate, tuple(int(x) for x in prompts),
+    demand = Demand(args.rate, tuple(int(x) for x in prompts),
                        tuple(int(x) for x in outputs))
     print(f"{MODEL} on {GPU}; lengths: {source}, mean prompt {demand.mean_prompt_tokens:,.0f} / "
           f"output {demand.mean_output_tokens:,.0f}; Poisson arrivals at {args.rate:g} req/s")
@@ -157,7 +159,7 @@ def main() -> int:
           f"{SLO.percentile:g}% of requests")
 
     # 1. Plans.
-    shapes = {tp: pl.InstanceShape(MODEL, GPU, tp) for tp in TP_SIZES}
+    shapes = {tp: InstanceShape(MODEL, GPU, tp) for tp in TP_SIZES}
     plans = {tp: pl.plan(demand, SLO, (s,), (s,)) for tp, s in shapes.items()}
     tp_plan = min(plans, key=lambda tp: (plans[tp].config.num_gpus, -plans[tp].goodput_per_gpu))
     plan = plans[tp_plan]
@@ -196,7 +198,7 @@ def main() -> int:
                                  plan.goodput_rate_per_s, SLO.attainment_target)
         disagg_sim = rate_sim / num_gpus
         for rate in (args.rate, plan.goodput_rate_per_s):
-            predicted = pl.predict(plan.config, demand.with_rate(rate), SLO)
+            predicted = predict(plan.config, demand.with_rate(rate), SLO)
             result = evaluator.run(plan.config, rate)
             counted = result.arrival_s >= WARMUP_S
             has_steps = counted & (result.output_tokens > 1)
@@ -215,8 +217,8 @@ def main() -> int:
               "counted)")
         print(table(["rate req/s", "metric", "predicted", "simulated", "error"], check_rows))
 
-    def attainment_at(config: pl.DisaggConfig, rate: float) -> float:
-        return evaluator.attainment(config, rate) if evaluator is not None else pl.predict(
+    def attainment_at(config: DisaggConfig, rate: float) -> float:
+        return evaluator.attainment(config, rate) if evaluator is not None else predict(
             config, demand.with_rate(rate), SLO).attainment
 
     analytic_points = pl.sweep_pd(demand, SLO, shapes[tp_plan], shapes[tp_plan], num_gpus)
@@ -227,7 +229,7 @@ def main() -> int:
             continue
         rate = max_rate_near(lambda r, c=point.config: attainment_at(c, r),
                              max(point.goodput_rate_per_s, 0.5), SLO.attainment_target)
-        sweep_points.append(pl.SweepPoint(point.config, rate))
+        sweep_points.append(pl.GoodputPoint(point.config, rate))
     best = max(sweep_points, key=lambda p: p.goodput_per_gpu)
     evaluated_by = "simulator" if evaluator is not None else "analytic model"
     print(f"\nP:D sweep of {num_gpus} GPUs (TP{tp_plan}), goodput by the {evaluated_by}")

@@ -21,16 +21,13 @@ import sqlalchemy as sa
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.capacity.expert_policy import ExpertPolicy, ReplanReason
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.settings import CommonSettings
 from pdserve.common.types import WorkerRole, WorkerState
 from pdserve.db import Repository, make_engine, normalize_url, upgrade
-from pdserve.governor.experts import (
-    ExpertPlacementGovernor,
-    ExpertPolicy,
-    GrpcWorkerPlacementClient,
-    ReplanReason,
-)
+from pdserve.governor.expert_client import GrpcWorkerPlacementClient
+from pdserve.governor.expert_loop import ExpertPlacementGovernor
 from pdserve.kv_transfer.app import CoordinatorApp
 from pdserve.kv_transfer.coordinator import CoordinatorPolicy
 from pdserve.kv_transfer.local_client import LocalTicketClient

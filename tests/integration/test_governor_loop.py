@@ -19,7 +19,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
 from pdserve.api.v1 import common_pb2, governor_pb2, governor_pb2_grpc
-from pdserve.capacity.autoscaler import AutoscalerControls, InstanceProfile
+from pdserve.capacity.controls import AutoscalerControls
+from pdserve.capacity.sizing import InstanceProfile
 from pdserve.common.clock import ManualClock
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.grpc_client import error_from_rpc_error

@@ -16,19 +16,17 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from pdserve.capacity.autoscaler import (
-    Autoscaler,
-    AutoscalerConfig,
-    AutoscalerControls,
-    Demand,
-    HoltForecaster,
+from pdserve.capacity.autoscaler import Autoscaler
+from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls, PoolBounds
+from pdserve.capacity.forecast import HoltForecaster
+from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
+from pdserve.capacity.sizing import (
     InstanceProfile,
-    PoolBounds,
     SizingConfig,
+    SizingDemand,
     instances_for,
     size_pools,
 )
-from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
 from pdserve.common.errors import InvalidArgumentError
 
 PROFILE = InstanceProfile.from_catalog("llama-3.1-70b", "h100-sxm-80gb", prefill_tp_size=4,
@@ -40,7 +38,7 @@ PROMPT, OUTPUT = 1155.0, 211.0
 
 
 def need(rate: float, prompt: float = PROMPT, output: float = OUTPUT) -> tuple[int, int]:
-    sizing = size_pools(PROFILE, SIZING, Demand(rate, prompt, output))
+    sizing = size_pools(PROFILE, SIZING, SizingDemand(rate, prompt, output))
     return instances_for(sizing.num_prefill), instances_for(sizing.num_decode)
 
 
@@ -109,7 +107,8 @@ def drive(policy: Autoscaler, rate_at: Callable[[float], float], num_intervals: 
     return run
 
 
-def noisy(base: Callable[[float], float], sd_fraction: float, seed: int) -> Callable[[float], float]:
+def noisy(base: Callable[[float], float], sd_fraction: float,
+          seed: int) -> Callable[[float], float]:
     rng = random.Random(seed)
     cache: dict[float, float] = {}
 
@@ -253,7 +252,7 @@ def test_scale_down_waits_then_steps() -> None:
     assert prefill[drop - 1] > need(6.0)[0] + 3
     first_down = next(i for i in range(drop, len(prefill)) if prefill[i] < prefill[drop - 1])
     assert (first_down - drop) * INTERVAL_S >= config.scale_down_delay_s
-    for a, b in zip(prefill[drop:], prefill[drop + 1:]):
+    for a, b in zip(prefill[drop:], prefill[drop + 1:], strict=False):
         assert a - b <= max(1, math.floor(0.1 * a))
     assert prefill[-1] < prefill[drop - 1] / 2  # it does get there
 
@@ -405,10 +404,11 @@ def test_output_length_change_midway_scales_decode_alone() -> None:
 
 
 def test_size_pools_is_monotone_in_rate() -> None:
-    needs = [size_pools(PROFILE, SIZING, Demand(r, PROMPT, OUTPUT)) for r in (1, 5, 25, 125)]
+    needs = [size_pools(PROFILE, SIZING, SizingDemand(r, PROMPT, OUTPUT))
+             for r in (1, 5, 25, 125)]
     assert all(a.num_prefill < b.num_prefill and a.num_decode < b.num_decode
                for a, b in itertools.pairwise(needs))
-    backlog = size_pools(PROFILE, SIZING, replace(Demand(25, PROMPT, OUTPUT),
+    backlog = size_pools(PROFILE, SIZING, replace(SizingDemand(25, PROMPT, OUTPUT),
                                                   num_queued_prefill_tokens=200_000))
     assert backlog.num_prefill > needs[2].num_prefill
     assert backlog.num_decode == needs[2].num_decode

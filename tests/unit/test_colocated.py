@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from pdserve.capacity import colocated as co
-from pdserve.capacity import planner as pl
-from pdserve.capacity.planner import Demand, InstanceShape, Slo
+from pdserve.capacity import workload as wl
+from pdserve.capacity.plan_inputs import Demand, InstanceShape, Slo
 from pdserve.common.errors import InvalidArgumentError
 
 SHAPE = InstanceShape("llama-3.1-70b", "h100", 4)
@@ -53,7 +53,7 @@ def test_decode_slowdown_grows_with_chunk_size(case: tuple[str, str, int]) -> No
 
 
 def test_chunk_offset_reproduces_causal_attention_work() -> None:
-    workload = pl.Workload.of(Demand(1.0, (1000, 3000), (10, 10)))
+    workload = wl.Workload.of(Demand(1.0, (1000, 3000), (10, 10)))
     for chunk in (100.0, 500.0):
         offset = co.chunk_offset_tokens(workload, chunk)
         # Per prompt token: E[l^2] / E[l] = (1e6 + 9e6) / 4000 = 2500 = 2 o + c.
@@ -74,7 +74,7 @@ def test_prefill_load_inflates_tpot_and_ttft() -> None:
     assert heavy.attainment <= light.attainment
     # With (almost) no load, a sequence runs alone: pure decode steps of a batch of one.
     idle = co.predict_colocated(config, _demand(1e-6), SLO)
-    context = pl.context_per_sequence(pl.Workload.of(_demand(1.0)))
+    context = wl.context_per_sequence(wl.Workload.of(_demand(1.0)))
     assert idle.mean_tpot_s == pytest.approx(SHAPE.perf().decode_step_time_s(1, context),
                                              rel=1e-3)
     assert not co.predict_colocated(config, _demand(500.0), SLO).is_stable

@@ -1,4 +1,5 @@
-"""Contracts of the expert placement (EPLB): shapes, consistency, groups on nodes, balance, moves."""
+"""Contracts of the expert placement (EPLB): shapes, consistency, groups on nodes, balance,
+moves."""
 
 from __future__ import annotations
 
@@ -7,20 +8,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.capacity.eplb import (
-    DecodeCapacity,
-    ExpertMemoryModel,
+from pdserve.capacity.eplb import PlacementMethod, plan_expert_placement
+from pdserve.capacity.eplb_memory import DecodeCapacity, ExpertMemoryModel, choose_num_slots
+from pdserve.capacity.eplb_placement import (
     ExpertPlacement,
-    PlacementMethod,
     PlacementPolicy,
     PlacementTopology,
-    choose_num_slots,
     gpu_balancedness,
     gpu_loads,
     node_balancedness,
-    plan_expert_placement,
-    replan_with_migration,
 )
+from pdserve.capacity.eplb_replan import replan_with_migration
 from pdserve.common.errors import InvalidArgumentError
 
 HIER = PlacementPolicy.HIERARCHICAL

@@ -15,33 +15,32 @@ from prometheus_client import REGISTRY
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc, worker_pb2
-from pdserve.capacity.eplb import (
+from pdserve.capacity.eplb import plan_expert_placement
+from pdserve.capacity.eplb_placement import (
     ExpertPlacement,
     PlacementPolicy,
     PlacementTopology,
     gpu_balancedness,
-    plan_expert_placement,
 )
+from pdserve.capacity.expert_policy import (
+    ExpertPolicy,
+    LoadEstimate,
+    ReplanInputs,
+    ReplanReason,
+    decay_factor,
+    default_slots_per_gpu,
+    fold_reports,
+    pool_topology,
+    replan_reason,
+)
+from pdserve.capacity.expert_versions import parse_placement_key, placement_key
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.types import WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.db import Repository, upgrade
 from pdserve.governor.app import GovernorApp
-from pdserve.governor.experts import (
-    ExpertPlacementGovernor,
-    ExpertPolicy,
-    LoadEstimate,
-    ReplanInputs,
-    ReplanReason,
-    WorkerInstance,
-    decay_factor,
-    default_slots_per_gpu,
-    fold_reports,
-    parse_placement_key,
-    placement_key,
-    pool_topology,
-    replan_reason,
-)
+from pdserve.governor.expert_convert import WorkerInstance
+from pdserve.governor.expert_loop import ExpertPlacementGovernor
 from pdserve.governor.settings import GovernorSettings
 from pdserve.pool.manager import Heartbeat, PoolManager, PoolPolicy, Registration
 from pdserve.state.expert_loads import (
@@ -502,7 +501,8 @@ def mean_step_s(engine: SimEngine, num_steps: int = 20, batch: int = 64) -> floa
 
 
 def test_sim_decode_step_is_slower_under_a_worse_placement() -> None:
-    popularity = expert_popularity(NUM_LAYERS, NUM_EXPERTS, MOE_SIM.expert_skew, MOE_SIM.expert_seed)
+    popularity = expert_popularity(NUM_LAYERS, NUM_EXPERTS, MOE_SIM.expert_skew,
+                                   MOE_SIM.expert_seed)
     topology = PlacementTopology(10, 2, 1, 1, PlacementPolicy.GLOBAL)
     good = plan_expert_placement(popularity, topology).slot_to_expert
     bad = clustered_slot_map(popularity, 10)

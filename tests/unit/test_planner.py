@@ -10,8 +10,11 @@ import math
 import numpy as np
 import pytest
 
+from pdserve.capacity import disaggregated as dg
 from pdserve.capacity import planner as pl
-from pdserve.capacity.planner import Demand, DisaggConfig, InstanceShape, Slo
+from pdserve.capacity import queueing as qu
+from pdserve.capacity import workload as wl
+from pdserve.capacity.plan_inputs import Demand, DisaggConfig, InstanceShape, Slo
 from pdserve.common.errors import InvalidArgumentError
 
 SHAPE = InstanceShape("llama-3.1-70b", "h100", 4)
@@ -29,45 +32,45 @@ def _demand(rate_per_s: float, prefix_hit_rate: float = 0.0) -> Demand:
 
 def test_erlang_c_matches_hand_computation() -> None:
     # M/M/2, a = 1 Erlang: C = (a^2/2! * 2/(2-1)) / (1 + a + a^2/2! * 2/(2-1)) = 1/3.
-    assert pl.erlang_c(2, 1.0) == pytest.approx(1.0 / 3.0, rel=1e-12)
+    assert qu.erlang_c(2, 1.0) == pytest.approx(1.0 / 3.0, rel=1e-12)
     # M/M/1: the probability of waiting is the utilisation.
-    assert pl.erlang_c(1, 0.7) == pytest.approx(0.7, rel=1e-12)
+    assert qu.erlang_c(1, 0.7) == pytest.approx(0.7, rel=1e-12)
     # M/M/3, a = 2: sum_{k<3} 2^k/k! = 5, tail term 8/6 * 3 = 4 -> C = 4/9.
-    assert pl.erlang_c(3, 2.0) == pytest.approx(4.0 / 9.0, rel=1e-12)
-    assert pl.erlang_c(4, 4.0) == 1.0
+    assert qu.erlang_c(3, 2.0) == pytest.approx(4.0 / 9.0, rel=1e-12)
+    assert qu.erlang_c(4, 4.0) == 1.0
 
 
 def test_single_server_wait_is_pollaczek_khinchine() -> None:
     # M/D/1: lambda = 2/s, S = 0.3 s: Wq = lambda E[S^2] / (2 (1 - rho)) = 2*0.09/(2*0.4).
-    wait = pl.mgc_wait(2.0, 0.3, 0.0, 1)
+    wait = qu.mgc_wait(2.0, 0.3, 0.0, 1)
     assert wait.mean_s == pytest.approx(0.225, rel=1e-12)
     assert wait.prob_wait == pytest.approx(0.6, rel=1e-12)
     # M/M/1 (scv 1): Wq = rho / (mu - lambda) = 0.6 / (10/3 - 2).
-    assert pl.mgc_wait(2.0, 0.3, 1.0, 1).mean_s == pytest.approx(0.6 / (10 / 3 - 2), rel=1e-12)
+    assert qu.mgc_wait(2.0, 0.3, 1.0, 1).mean_s == pytest.approx(0.6 / (10 / 3 - 2), rel=1e-12)
 
 
 def test_mmc_wait_is_exact_for_exponential_service() -> None:
     # M/M/2, lambda = 1, mu = 1: Wq = C / (c mu - lambda) = (1/3) / 1; tail P(W > t) = C e^{-t}.
-    wait = pl.mgc_wait(1.0, 1.0, 1.0, 2)
+    wait = qu.mgc_wait(1.0, 1.0, 1.0, 2)
     assert wait.mean_s == pytest.approx(1.0 / 3.0, rel=1e-12)
     assert float(wait.ccdf(np.array([2.0]))[0]) == pytest.approx(math.exp(-2.0) / 3.0, rel=1e-12)
-    assert pl.mgc_wait(3.0, 1.0, 1.0, 2) is pl.UNSTABLE
+    assert qu.mgc_wait(3.0, 1.0, 1.0, 2) is qu.UNSTABLE
 
 
 def test_sum_of_waits_has_the_right_atom_and_mean() -> None:
-    first, second = pl.WaitDistribution(0.4, 0.2), pl.WaitDistribution(0.7, 0.5)
-    at_zero = float(pl.sum_ccdf(first, second, np.array([0.0]))[0])
+    first, second = qu.WaitDistribution(0.4, 0.2), qu.WaitDistribution(0.7, 0.5)
+    at_zero = float(qu.sum_ccdf(first, second, np.array([0.0]))[0])
     assert at_zero == pytest.approx(1.0 - 0.6 * 0.3, rel=1e-12)
     grid = np.linspace(0.0, 20.0, 200_001)
-    mean = float(np.trapezoid(pl.sum_ccdf(first, second, grid), grid))
+    mean = float(np.trapezoid(qu.sum_ccdf(first, second, grid), grid))
     assert mean == pytest.approx(first.mean_s + second.mean_s, rel=1e-4)
-    same = pl.WaitDistribution(0.5, 0.3)
-    mean_same = float(np.trapezoid(pl.sum_ccdf(same, same, grid), grid))
+    same = qu.WaitDistribution(0.5, 0.3)
+    mean_same = float(np.trapezoid(qu.sum_ccdf(same, same, grid), grid))
     assert mean_same == pytest.approx(2 * same.mean_s, rel=1e-4)
 
 
 def test_normal_cdf_known_values() -> None:
-    values = pl.normal_cdf(np.array([0.0, 1.0, -1.959964, 3.0]))
+    values = qu.normal_cdf(np.array([0.0, 1.0, -1.959964, 3.0]))
     assert values == pytest.approx([0.5, 0.841344746, 0.025, 0.998650102], abs=2e-7)
 
 
@@ -90,8 +93,8 @@ def test_goodput_is_the_rate_where_attainment_crosses_the_target() -> None:
     config = DisaggConfig(SHAPE, SHAPE, 2, 2)
     rate = pl.goodput_rate_per_s(config, demand, SLO)
     assert rate > 0
-    assert pl.predict(config, demand.with_rate(rate), SLO).attainment >= 0.9
-    assert pl.predict(config, demand.with_rate(rate * 1.01), SLO).attainment < 0.9
+    assert dg.predict(config, demand.with_rate(rate), SLO).attainment >= 0.9
+    assert dg.predict(config, demand.with_rate(rate * 1.01), SLO).attainment < 0.9
     assert pl.goodput_per_gpu(config, demand, SLO) == pytest.approx(rate / 16)
     strict = dataclasses.replace(SLO, percentile=99.0)
     assert pl.goodput_rate_per_s(config, demand, strict) < rate
@@ -102,22 +105,22 @@ def test_goodput_is_the_rate_where_attainment_crosses_the_target() -> None:
 
 def test_prediction_degrades_with_load_and_becomes_unstable() -> None:
     config = DisaggConfig(SHAPE, SHAPE, 2, 2)
-    light, heavy = (pl.predict(config, _demand(rate), SLO) for rate in (2.0, 12.0))
+    light, heavy = (dg.predict(config, _demand(rate), SLO) for rate in (2.0, 12.0))
     assert light.is_stable and heavy.is_stable
     assert heavy.mean_queue_wait_s > light.mean_queue_wait_s
     assert heavy.ttft_s > light.ttft_s
     assert heavy.decode_batch_size > light.decode_batch_size
     assert heavy.mean_tpot_s > light.mean_tpot_s
     assert heavy.attainment <= light.attainment
-    overloaded = pl.predict(config, _demand(200.0), SLO)
+    overloaded = dg.predict(config, _demand(200.0), SLO)
     assert not overloaded.is_stable and overloaded.attainment == 0.0
 
 
 def test_decode_batch_follows_littles_law() -> None:
     demand = _demand(8.0)
     config = DisaggConfig(SHAPE, SHAPE, 4, 3)
-    prediction = pl.predict(config, demand, SLO)
-    workload = pl.Workload.of(demand)
+    prediction = dg.predict(config, demand, SLO)
+    workload = wl.Workload.of(demand)
     # mean_tpot_s adds half a step per request (joining the batch); the rest is the step.
     has_steps = workload.steps > 0
     join = float((1.0 + 0.5 / workload.steps[has_steps]).mean())
@@ -128,8 +131,8 @@ def test_decode_batch_follows_littles_law() -> None:
 
 def test_prefix_hits_reduce_prefill_work() -> None:
     config = DisaggConfig(SHAPE, SHAPE, 2, 2)
-    cold = pl.predict(config, _demand(10.0), SLO)
-    warm = pl.predict(config, _demand(10.0, prefix_hit_rate=0.5), SLO)
+    cold = dg.predict(config, _demand(10.0), SLO)
+    warm = dg.predict(config, _demand(10.0, prefix_hit_rate=0.5), SLO)
     assert warm.prefill_utilization < 0.6 * cold.prefill_utilization
     assert warm.mean_ttft_s < cold.mean_ttft_s
 
@@ -147,13 +150,13 @@ def test_plan_meets_its_own_predictions_and_is_minimal() -> None:
     assert prediction.attainment >= SLO.attainment_target
     assert prediction.ttft_s <= SLO.ttft_s
     assert prediction.tpot_s <= SLO.tpot_s
-    workload = pl.Workload.of(_demand(12.0))
+    workload = wl.Workload.of(_demand(12.0))
     for fewer in (dataclasses.replace(config, num_prefill=config.num_prefill - 1),
                   dataclasses.replace(config, num_decode=config.num_decode - 1)):
         if fewer.num_prefill < 1 or fewer.num_decode < 1:
             continue
-        fewer = pl.with_threshold(fewer, workload, 12.0, SLO)
-        assert pl.predict(fewer, _demand(12.0), SLO).attainment < SLO.attainment_target
+        fewer = dg.with_threshold(fewer, workload, 12.0, SLO)
+        assert dg.predict(fewer, _demand(12.0), SLO).attainment < SLO.attainment_target
     assert result.goodput_rate_per_s >= 12.0
     assert result.goodput_per_gpu == pytest.approx(result.goodput_rate_per_s / config.num_gpus)
 
@@ -197,16 +200,16 @@ def test_threshold_grows_with_the_prefill_queue() -> None:
     demand = Demand.from_means(14.0, 400, 200, num_points=128)
     busy = DisaggConfig(SHAPE, SHAPE, 1, 4)
     idle = DisaggConfig(SHAPE, SHAPE, 6, 4)
-    assert pl.predict(busy, demand, SLO).mean_queue_wait_s > 5 * pl.predict(
+    assert dg.predict(busy, demand, SLO).mean_queue_wait_s > 5 * dg.predict(
         idle, demand, SLO).mean_queue_wait_s
-    busy_threshold = pl.local_prefill_threshold_tokens(busy, demand, SLO)
-    idle_threshold = pl.local_prefill_threshold_tokens(idle, demand, SLO)
+    busy_threshold = dg.local_prefill_threshold_tokens(busy, demand, SLO)
+    idle_threshold = dg.local_prefill_threshold_tokens(idle, demand, SLO)
     assert busy_threshold > idle_threshold >= 0
     with_local = dataclasses.replace(busy, local_prefill_threshold_tokens=busy_threshold)
-    prediction = pl.predict(with_local, demand, SLO)
+    prediction = dg.predict(with_local, demand, SLO)
     assert prediction.local_prefill_fraction > 0
-    assert prediction.mean_queue_wait_s < pl.predict(busy, demand, SLO).mean_queue_wait_s
-    assert prediction.attainment >= min(pl.predict(busy, demand, SLO).attainment,
+    assert prediction.mean_queue_wait_s < dg.predict(busy, demand, SLO).mean_queue_wait_s
+    assert prediction.attainment >= min(dg.predict(busy, demand, SLO).attainment,
                                         SLO.attainment_target)
 
 
@@ -214,7 +217,7 @@ def test_local_prefill_stalls_slow_decode() -> None:
     demand = Demand.from_means(10.0, 300, 200, num_points=128)
     remote = DisaggConfig(SHAPE, SHAPE, 3, 3)
     local = dataclasses.replace(remote, local_prefill_threshold_tokens=4096)
-    assert pl.predict(local, demand, SLO).mean_tpot_s > pl.predict(remote, demand, SLO).mean_tpot_s
+    assert dg.predict(local, demand, SLO).mean_tpot_s > dg.predict(remote, demand, SLO).mean_tpot_s
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -279,7 +282,7 @@ def test_planner_predictions_agree_with_the_simulator() -> None:
     has_steps = counted & (simulated.output_tokens > 1)
     ttft = float(np.percentile(simulated.ttft_s[counted], 90))
     tpot = float(np.percentile(simulated.tpot_s[has_steps], 90))
-    predicted = pl.predict(config, demand, SLO)
+    predicted = dg.predict(config, demand, SLO)
     assert predicted.ttft_s == pytest.approx(ttft, rel=0.25)
     assert predicted.tpot_s == pytest.approx(tpot, rel=0.08)
     assert predicted.attainment == pytest.approx(float(simulated.met_slo()[counted].mean()),

@@ -110,15 +110,16 @@ def test_coalesced_decode_steps_equal_single_steps() -> None:
     config = SimConfig(cluster(2, 2))
     coalesced = run(trace, config)
     from pdserve.sim import simulator
+    from pdserve.sim.state import DecodeInstance
 
     original = simulator.Simulator._start_run
 
-    def one_step_runs(self: simulator.Simulator, dec: simulator._Decode) -> None:
+    def one_step_runs(self: simulator.Simulator, dec: DecodeInstance) -> None:
         original(self, dec)
         if dec.run_steps > 1:  # replace the run by its first step
             dec.epoch += 1
             dec.run_steps = 1
-            self._push(self.now + dec.run_first_s, simulator._EV_DECODE_STEP, (dec, dec.epoch))
+            self._push(self.now + dec.run_first_s, simulator.EV_DECODE_STEP, (dec, dec.epoch))
 
     simulator.Simulator._start_run = one_step_runs  # type: ignore[method-assign]
     try:

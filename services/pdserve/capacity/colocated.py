@@ -50,28 +50,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.capacity.planner import (
-    Demand,
-    InstanceShape,
+from pdserve.capacity.latency_model import (
     Prediction,
-    Slo,
     TtftGroup,
-    Workload,
-    averaging_factor,
     batch_step_moments,
     batch_variance,
-    context_per_sequence,
-    decode_step_grid_s,
     kv_admission,
-    max_rate,
-    mgc_wait,
-    moments,
-    smallest_fixed_point,
     tpot_attainment,
     tpot_percentile,
     ttft_cdf,
     ttft_percentile,
     unstable_prediction,
+)
+from pdserve.capacity.plan_inputs import Demand, InstanceShape, Slo
+from pdserve.capacity.planner import GoodputPoint, max_rate
+from pdserve.capacity.queueing import mgc_wait, moments, smallest_fixed_point
+from pdserve.capacity.workload import (
+    Workload,
+    averaging_factor,
+    context_per_sequence,
+    decode_step_grid_s,
 )
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.perf.perf_model import PerfModel
@@ -129,17 +127,17 @@ def mixed_step_time_s(perf: PerfModel, batch_size: float, context_tokens: float,
     all) plus a prefill chunk of ``chunk_tokens`` tokens that follows ``chunk_offset_tokens``
     already-computed tokens of its prompt. The module docstring gives the formula."""
     if chunk_tokens <= 0:
-        return perf.decode_step_time_s(batch_size, context_tokens)  # type: ignore[arg-type]
+        return perf.decode_step_time_s(batch_size, context_tokens)
     terms = _StepTerms.of(perf)
     eff = perf.efficiency
     peak = perf.peak_flops_per_s
-    decode = perf.decode_work(batch_size, context_tokens)  # type: ignore[arg-type]
+    decode = perf.decode_work(batch_size, context_tokens)
     decode_compute_s = decode.flops / (peak * eff.decode_mfu) if batch_size > 0 else 0.0
     chunk_flops = (terms.flops_per_token * chunk_tokens + terms.attn_flops_per_token_pair
                    * chunk_tokens * (2.0 * chunk_offset_tokens + chunk_tokens))
     compute_s = decode_compute_s + chunk_flops / (peak * eff.prefill_mfu)
     kv = perf.kv_bytes_per_token_per_gpu
-    weights = perf.decode_work(batch_size + chunk_tokens, 0).memory_bytes  # type: ignore[arg-type]
+    weights = perf.decode_work(batch_size + chunk_tokens, 0).memory_bytes
     memory_bytes = weights + kv * (context_tokens + chunk_offset_tokens + chunk_tokens)
     memory_s = memory_bytes / (perf.gpu.hbm_bytes_per_s * eff.mbu)
     comm_s = (terms.comm_bytes_per_token * (batch_size + chunk_tokens)
@@ -278,19 +276,10 @@ def goodput_rate_per_s(config: ColocatedConfig, demand: Demand, slo: Slo) -> flo
                     slo.attainment_target, max(demand.rate_per_s, 1e-3))
 
 
-@dataclass(frozen=True, slots=True)
-class ColocatedResult:
-    config: ColocatedConfig
-    goodput_rate_per_s: float
-
-    @property
-    def goodput_per_gpu(self) -> float:
-        return self.goodput_rate_per_s / self.config.num_gpus
-
-
 def best_colocated(demand: Demand, slo: Slo, shapes: Sequence[InstanceShape], num_gpus: int,
                    token_budgets: Sequence[int] = DEFAULT_TOKEN_BUDGETS
-                   ) -> tuple[ColocatedResult, tuple[ColocatedResult, ...]]:
+                   ) -> tuple[GoodputPoint[ColocatedConfig],
+                              tuple[GoodputPoint[ColocatedConfig], ...]]:
     """The (shape, token budget) with the highest goodput per GPU on ``num_gpus`` GPUs (as many
     instances of each shape as fit), and every configuration tried, best first."""
     results = []
@@ -301,7 +290,7 @@ def best_colocated(demand: Demand, slo: Slo, shapes: Sequence[InstanceShape], nu
             continue
         for budget in token_budgets:
             config = ColocatedConfig(shape, num_instances, budget)
-            results.append(ColocatedResult(config, goodput_rate_per_s(config, demand, slo)))
+            results.append(GoodputPoint(config, goodput_rate_per_s(config, demand, slo)))
     if not results:
         raise InvalidArgumentError(f"no shape fits in {num_gpus} GPUs", field="num_gpus")
     results.sort(key=lambda r: -r.goodput_per_gpu)

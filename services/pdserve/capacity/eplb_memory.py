@@ -53,14 +53,15 @@ class ExpertMemoryModel:
         """Slots per GPU per layer above the minimum ``ceil(num_experts / num_gpus)``."""
         if num_slots % self.num_gpus or num_slots < self.num_experts:
             raise InvalidArgumentError(
-                f"num_slots must be a multiple of num_gpus and >= num_experts: num_slots={num_slots}, "
-                f"num_gpus={self.num_gpus}, num_experts={self.num_experts}",
+                "num_slots must be a multiple of num_gpus and >= num_experts: "
+                f"num_slots={num_slots}, num_gpus={self.num_gpus}, num_experts={self.num_experts}",
                 field="num_slots",
             )
         return num_slots // self.num_gpus - math.ceil(self.num_experts / self.num_gpus)
 
     def kv_blocks_given_up_per_gpu(self, num_slots: int) -> int:
-        """KV blocks each GPU gives up to hold ``num_slots`` slots per layer instead of the minimum."""
+        """KV blocks each GPU gives up to hold ``num_slots`` slots per layer instead of the
+        minimum."""
         extra_bytes = (
             self.redundant_slots_per_gpu(num_slots) * self.num_moe_layers * self.expert_bytes
         )

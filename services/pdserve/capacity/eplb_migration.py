@@ -1,4 +1,4 @@
-"""Kernels for re-planning with few expert-weight moves (see ``eplb.replan_with_migration``).
+"""Kernels for re-planning with few expert-weight moves (``eplb_replan.replan_with_migration``).
 
 * ``align_to_current`` relabels a plan computed from scratch so that it keeps as many slots of the
   current placement as it can. GPU numbering and slot order on a GPU carry no meaning for

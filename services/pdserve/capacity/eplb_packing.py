@@ -163,7 +163,8 @@ def place_hierarchical(
     num_gpus: int,
     replication_loads: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Slot map ``[layers, num_slots]`` that keeps every expert group on the node ``group_node`` says.
+    """Slot map ``[layers, num_slots]`` that keeps every expert group on the node
+    ``group_node`` says.
 
     ``group_node`` is ``[layers, num_groups]`` with ``num_groups / num_nodes`` groups on every
     node. Within each node the node's experts are replicated greedily onto its
@@ -202,7 +203,8 @@ def place_hierarchical(
 
 
 def copy_counts(slot_to_expert: np.ndarray, num_experts: int) -> np.ndarray:
-    """Copies of every expert, ``[layers, num_experts]``, from a slot map ``[layers, num_slots]``."""
+    """Copies of every expert, ``[layers, num_experts]``, from a slot map ``[layers,
+    num_slots]``."""
     num_layers = slot_to_expert.shape[0]
     offsets = (np.arange(num_layers) * num_experts)[:, None]
     flat = np.bincount((slot_to_expert + offsets).ravel(), minlength=num_layers * num_experts)

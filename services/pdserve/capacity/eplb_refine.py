@@ -183,7 +183,8 @@ class _View:
         return self.is_other_gpu_same_node if space.is_node_local else self.is_other_gpu
 
     def _other_holders_max(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per slot ``s`` (expert ``y``): heaviest GPU load among y's other holders if y gives a copy.
+        """Per slot ``s`` (expert ``y``): heaviest GPU load among y's other holders if y gives a
+        copy.
 
         Returns ``(excluding_own_gpu [A, S], all_holders [A, E])``: the largest
         ``load + copies_there * extra`` over GPUs holding ``y``, never counting the heaviest GPU,
@@ -248,7 +249,8 @@ def _best_swap(state: _State, view: _View, space: SearchSpace):
 
 
 def _best_grow(state: _State, view: _View, space: SearchSpace):
-    """Slot ``s`` (expert ``y`` with spare copies, GPU ``g``) becomes a copy of heavy expert ``x``."""
+    """Slot ``s`` (expert ``y`` with spare copies, GPU ``g``) becomes a copy of heavy expert
+    ``x``."""
     rows = np.arange(view.layers.size)
     x = view.heavy_experts
     x_count = np.take_along_axis(view.counts, x, axis=1)

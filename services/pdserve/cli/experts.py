@@ -136,12 +136,8 @@ def gpu_loads_of(slot_to_expert: np.ndarray, loads: np.ndarray, num_gpus: int) -
 
 
 def _offline(args: argparse.Namespace) -> int:
-    from pdserve.capacity.eplb import (
-        PlacementMethod,
-        PlacementPolicy,
-        PlacementTopology,
-        plan_expert_placement,
-    )
+    from pdserve.capacity.eplb import PlacementMethod, plan_expert_placement
+    from pdserve.capacity.eplb_placement import PlacementPolicy, PlacementTopology
 
     loads = read_loads(args.loads, args.key)
     num_slots, num_gpus, num_nodes, num_groups, policy = CONFIGS[args.config]

@@ -81,7 +81,7 @@ def trace_prefix_hit_rate(trace: Any) -> float:
 
 
 def demand_from_args(args: argparse.Namespace) -> Any:
-    from pdserve.capacity.planner import Demand
+    from pdserve.capacity.plan_inputs import Demand
 
     if args.trace:
         from pdserve.sim.traces import load_trace
@@ -102,7 +102,7 @@ def demand_from_args(args: argparse.Namespace) -> Any:
 
 
 def _shapes(args: argparse.Namespace, text: str | None) -> tuple[Any, ...]:
-    from pdserve.capacity.planner import InstanceShape
+    from pdserve.capacity.plan_inputs import InstanceShape
 
     explicit = text or args.tp
     sizes = parse_int_list(explicit or DEFAULT_TP_SIZES, "tp")
@@ -155,8 +155,9 @@ def plot_sweep(points: Sequence[Any], marked: dict[str, float], path: Path, titl
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.capacity import planner as pl
+    from pdserve.capacity.plan_inputs import Slo
 
-    slo = pl.Slo(args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0, args.percentile)
+    slo = Slo(args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0, args.percentile)
     demand = demand_from_args(args)
     if demand.rate_per_s <= 0:
         raise InvalidArgumentError(f"--rate must be > 0, got {demand.rate_per_s}", field="rate")

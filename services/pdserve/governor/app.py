@@ -10,12 +10,8 @@ import time
 from typing import Any
 
 from pdserve.api.v1 import governor_pb2_grpc
-from pdserve.capacity.autoscaler import (
-    AutoscalerConfig,
-    AutoscalerControls,
-    InstanceProfile,
-    SizingConfig,
-)
+from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls
+from pdserve.capacity.sizing import InstanceProfile, SizingConfig
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.leadership import LeaderElector, Lease, holder_id, open_lease
 from pdserve.common.service import GrpcService
@@ -29,7 +25,7 @@ from pdserve.governor.autoscaling import (
     GrpcTargetSetter,
     TargetSetter,
 )
-from pdserve.governor.experts import ExpertPlacementService
+from pdserve.governor.expert_service import ExpertPlacementService
 from pdserve.governor.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.governor.settings import GovernorSettings
 from pdserve.state.interfaces import StateBackend

@@ -47,18 +47,15 @@ from typing import Any, Protocol
 import grpc
 
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
-from pdserve.capacity.autoscaler import (
-    Autoscaler,
-    AutoscalerConfig,
-    AutoscalerControls,
-    InstanceProfile,
-)
+from pdserve.capacity.autoscaler import Autoscaler
+from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls
 from pdserve.capacity.scaling import (
     PoolObservation,
     ScalingDecision,
     ScalingObservation,
     ScalingPolicy,
 )
+from pdserve.capacity.sizing import InstanceProfile
 from pdserve.common.convert import role_to_pb
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
 from pdserve.common.grpc_client import error_from_rpc_error
@@ -439,7 +436,8 @@ class CapacityGovernor:
                 (WorkerRole.PREFILL, observation.prefill, decision.num_prefill),
                 (WorkerRole.DECODE, observation.decode, decision.num_decode)):
             current = pool.num_ready + pool.num_starting
-            before = previous[role] if previous[role] is not None else current
+            last_target = previous[role]
+            before = last_target if last_target is not None else current
             action = (ScalingAction.SCALE_UP if target > before
                       else ScalingAction.SCALE_DOWN if target < before else ScalingAction.HOLD)
             reason = str(decision.inputs.get(f"{role.value}_reason", decision.reason))

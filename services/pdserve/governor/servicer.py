@@ -16,20 +16,17 @@ import grpc
 import numpy as np
 
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc
-from pdserve.capacity import planner
-from pdserve.capacity.autoscaler import AutoscalerControls, PoolBounds
-from pdserve.capacity.eplb import (
-    PlacementPolicy,
-    PlacementTopology,
-    gpu_balancedness,
-    plan_expert_placement,
-)
+from pdserve.capacity import plan_inputs, planner
+from pdserve.capacity.controls import AutoscalerControls, PoolBounds
+from pdserve.capacity.eplb import plan_expert_placement
+from pdserve.capacity.eplb_placement import PlacementPolicy, PlacementTopology, gpu_balancedness
 from pdserve.common.convert import role_from_pb, role_to_pb
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
 from pdserve.common.types import Clock, WorkerRole
 from pdserve.db.records import ScalingAction, ScalingDecisionRecord
 from pdserve.governor.autoscaling import CapacityGovernor, DeploymentSpec
-from pdserve.governor.experts import ExpertPlacementService
+from pdserve.governor.expert_convert import placement_to_pb
+from pdserve.governor.expert_service import ExpertPlacementService
 from pdserve.perf.catalog import get_gpu, get_model
 from pdserve.perf.kv_budget import CapacityConfig, capacity_report
 
@@ -134,7 +131,8 @@ def controls_from_pb(request: governor_pb2.SetAutoscalerControlsRequest,
     )
 
 
-def _lengths_from_pb(lengths: governor_pb2.LengthDistribution, name: str) -> tuple[float, tuple[int, ...]]:
+def _lengths_from_pb(lengths: governor_pb2.LengthDistribution,
+                     name: str) -> tuple[float, tuple[int, ...]]:
     """(mean tokens, samples) of a length distribution; one of them must be given."""
     samples = tuple(int(x) for x in lengths.samples_tokens)
     if any(x < 1 for x in samples):
@@ -148,10 +146,10 @@ def _lengths_from_pb(lengths: governor_pb2.LengthDistribution, name: str) -> tup
 
 
 def what_if_inputs(request: governor_pb2.WhatIfPlanRequest) -> tuple[
-        planner.Demand, planner.Slo, planner.InstanceShape, planner.InstanceShape]:
+        plan_inputs.Demand, plan_inputs.Slo, plan_inputs.InstanceShape, plan_inputs.InstanceShape]:
     """The planner's inputs from a request, every field checked (``InvalidArgumentError``
     names it). Paired samples of equal length are used as they are; otherwise each length is
-    taken from its mean (``planner.Demand.from_means``)."""
+    taken from its mean (``plan_inputs.Demand.from_means``)."""
     for name in ("model", "gpu"):
         if not getattr(request, name):
             raise InvalidArgumentError(f"{name}: required", field=name)
@@ -177,13 +175,13 @@ def what_if_inputs(request: governor_pb2.WhatIfPlanRequest) -> tuple[
     if not 0.0 < percentile < 100.0:
         raise InvalidArgumentError("slo.percentile: must be in (0, 100)", field="slo.percentile")
     if prompts and outputs and len(prompts) == len(outputs):
-        plan_demand = planner.Demand(rate, prompts, outputs, demand.prefix_hit_fraction)
+        plan_demand = plan_inputs.Demand(rate, prompts, outputs, demand.prefix_hit_fraction)
     else:
-        plan_demand = planner.Demand.from_means(rate, prompt_mean, output_mean,
+        plan_demand = plan_inputs.Demand.from_means(rate, prompt_mean, output_mean,
                                                 demand.prefix_hit_fraction)
-    shapes = [planner.InstanceShape(request.model, request.gpu, tp or 1)
+    shapes = [plan_inputs.InstanceShape(request.model, request.gpu, tp or 1)
               for tp in (request.prefill_tp_size, request.decode_tp_size)]
-    return (plan_demand, planner.Slo(slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0, percentile),
+    return (plan_demand, plan_inputs.Slo(slo.ttft_ms / 1000.0, slo.tpot_ms / 1000.0, percentile),
             shapes[0], shapes[1])
 
 
@@ -200,7 +198,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             raise UnavailableError("the autoscaler is not running in this governor")
         return self.governor
 
-    async def GetPlan(self, request: governor_pb2.GetPlanRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetPlanResponse:
+    async def GetPlan(self, request: governor_pb2.GetPlanRequest,
+                      context: grpc.aio.ServicerContext
+                      ) -> governor_pb2.GetPlanResponse:
         governor = self._governor()
         decision, at_s, stored = await governor.latest(request.deployment)
         spec = governor.spec(request.deployment)
@@ -216,7 +216,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             spec, prefill.num_target_instances, decode.num_target_instances,
             {**prefill.inputs, **prefill.forecast}, at))
 
-    async def WhatIfPlan(self, request: governor_pb2.WhatIfPlanRequest, context: grpc.aio.ServicerContext) -> governor_pb2.WhatIfPlanResponse:
+    async def WhatIfPlan(self, request: governor_pb2.WhatIfPlanRequest,
+                         context: grpc.aio.ServicerContext
+                         ) -> governor_pb2.WhatIfPlanResponse:
         demand, slo, prefill, decode = what_if_inputs(request)
         result = await asyncio.to_thread(planner.plan, demand, slo, [prefill], [decode])
         config, prediction = result.config, result.prediction
@@ -228,7 +230,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             goodput_per_gpu=result.goodput_per_gpu, demand=request.demand, slo=request.slo,
             created_unix_ms=int(self._clock() * 1000)))
 
-    async def ListDecisions(self, request: governor_pb2.ListDecisionsRequest, context: grpc.aio.ServicerContext) -> governor_pb2.ListDecisionsResponse:
+    async def ListDecisions(self, request: governor_pb2.ListDecisionsRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> governor_pb2.ListDecisionsResponse:
         limit = request.limit or DEFAULT_LIST_LIMIT
         if limit > MAX_LIST_LIMIT:
             raise InvalidArgumentError(f"limit: at most {MAX_LIST_LIMIT}, got {limit}",
@@ -239,7 +243,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
         return governor_pb2.ListDecisionsResponse(
             decisions=[decision_to_pb(record) for record in records])
 
-    async def SetAutoscalerControls(self, request: governor_pb2.SetAutoscalerControlsRequest, context: grpc.aio.ServicerContext) -> governor_pb2.SetAutoscalerControlsResponse:
+    async def SetAutoscalerControls(self, request: governor_pb2.SetAutoscalerControlsRequest,
+                                    context: grpc.aio.ServicerContext
+                                    ) -> governor_pb2.SetAutoscalerControlsResponse:
         governor = self._governor()
         governor.spec(request.deployment)  # NOT_FOUND / INVALID_ARGUMENT before anything else
         controls = controls_from_pb(request, self._clock())
@@ -247,9 +253,11 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
         return governor_pb2.SetAutoscalerControlsResponse()
 
     experts: ExpertPlacementService | None = None
-    """The expert-placement loop (``pdserve.governor.experts``), set by the app."""
+    """The expert-placement loop (``pdserve.governor.expert_service``), set by the app."""
 
-    async def GetCapacity(self, request: governor_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetCapacityResponse:
+    async def GetCapacity(self, request: governor_pb2.GetCapacityRequest,
+                          context: grpc.aio.ServicerContext
+                          ) -> governor_pb2.GetCapacityResponse:
         if not request.model:
             raise InvalidArgumentError("model: required", field="model")
         if not request.gpu:
@@ -266,7 +274,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             kv_pool_bytes=report.kv_pool_bytes,
         )
 
-    async def WhatIfExpertPlacement(self, request: governor_pb2.WhatIfExpertPlacementRequest, context: grpc.aio.ServicerContext) -> governor_pb2.WhatIfExpertPlacementResponse:
+    async def WhatIfExpertPlacement(self, request: governor_pb2.WhatIfExpertPlacementRequest,
+                                    context: grpc.aio.ServicerContext
+                                    ) -> governor_pb2.WhatIfExpertPlacementResponse:
         num_layers, num_experts = request.num_layers, request.num_experts
         if num_layers < 1 or num_experts < 1:
             raise InvalidArgumentError("num_layers, num_experts: must be >= 1", field="num_layers")
@@ -279,18 +289,17 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             raise InvalidArgumentError(f"policy: unknown placement policy {request.policy}",
                                        field="policy")
         topology = PlacementTopology(
-            num_slots=request.num_slots, num_gpus=request.num_gpus, num_nodes=request.num_nodes or 1,
+            num_slots=request.num_slots, num_gpus=request.num_gpus,
+            num_nodes=request.num_nodes or 1,
             num_groups=request.num_groups or 1, policy=_POLICY[request.policy],
         )
         placement = await asyncio.to_thread(plan_expert_placement, loads, topology)
-        return governor_pb2.WhatIfExpertPlacementResponse(placement=governor_pb2.ExpertPlacement(
-            num_layers=num_layers, num_slots=topology.num_slots, num_gpus=topology.num_gpus,
-            num_experts=num_experts,
-            slot_to_expert=placement.slot_to_expert.reshape(-1).tolist(),
-            balancedness=gpu_balancedness(placement, loads).tolist(),
-        ))
+        return governor_pb2.WhatIfExpertPlacementResponse(
+            placement=placement_to_pb(placement, gpu_balancedness(placement, loads)))
 
-    async def GetExpertPlacement(self, request: governor_pb2.GetExpertPlacementRequest, context: grpc.aio.ServicerContext) -> governor_pb2.GetExpertPlacementResponse:
+    async def GetExpertPlacement(self, request: governor_pb2.GetExpertPlacementRequest,
+                                 context: grpc.aio.ServicerContext
+                                 ) -> governor_pb2.GetExpertPlacementResponse:
         if self.experts is None:
             raise UnavailableError("expert placement is not running in this governor")
         return await self.experts.get_expert_placement(request)

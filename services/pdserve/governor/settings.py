@@ -19,7 +19,7 @@ class GovernorSettings(CommonSettings):
     """The capacity governor."""
 
     service_name: str = setting("governor", help="Service name in logs, traces and metrics.")
-    # Expert placement (EPLB) of MoE pools: pdserve.governor.experts.
+    # Expert placement (EPLB) of MoE pools: pdserve.governor.expert_loop.
     expert_half_life_s: float = setting(
         300.0, parser=float_range(0.001, 1e9),
         help="Half-life of the decayed per-expert load estimate, seconds.")

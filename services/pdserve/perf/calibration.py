@@ -20,7 +20,7 @@ from __future__ import annotations
 import csv
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -149,6 +149,9 @@ _BOUNDS = {
 _GRID_POINTS = 25
 _NUM_ROUNDS = 14
 
+DEFAULT_EFFICIENCY = Efficiency()
+"""The uncalibrated factors: where every fit starts unless told otherwise."""
+
 
 class _Design:
     """Per-point work terms and hardware constants as numpy arrays (shape ``[num_points]``)."""
@@ -184,7 +187,7 @@ class _Design:
         self.phases = tuple(p for p in Phase if np.any(self.is_prefill == (p is Phase.PREFILL)))
         self.num_tp_sizes = len({s.point.tp_size for s in samples})
 
-    def predict_s(self, params: dict[str, np.ndarray | float]) -> np.ndarray:
+    def predict_s(self, params: Mapping[str, np.ndarray | float]) -> np.ndarray:
         """Predicted seconds; each parameter a scalar or a ``[G, 1]`` column (-> ``[G, N]``)."""
         mfu = np.where(self.is_prefill, params["prefill_mfu"], params["decode_mfu"])
         overhead_s = np.where(self.is_prefill, params["prefill_overhead_s"],
@@ -195,7 +198,7 @@ class _Design:
         return (np.maximum(compute_s, memory_s) + comm_s
                 + self.comm_steps * params["allreduce_latency_s"] + overhead_s)
 
-    def loss(self, params: dict[str, np.ndarray | float]) -> np.ndarray:
+    def loss(self, params: Mapping[str, np.ndarray | float]) -> np.ndarray:
         """Sum over phases of the mean absolute log error (shape of the parameter columns)."""
         log_error = np.abs(np.log(self.predict_s(params) / self.measured_s))
         total = 0.0
@@ -242,7 +245,7 @@ def _fit(design: _Design, start: Efficiency) -> Efficiency:
     return Efficiency(**params)
 
 
-def fit_efficiency(samples: Sequence[ProfileSample], start: Efficiency = Efficiency(),
+def fit_efficiency(samples: Sequence[ProfileSample], start: Efficiency = DEFAULT_EFFICIENCY,
                    catalog: Catalog | None = None) -> Efficiency:
     """Factors that minimise the mean absolute log error of ``samples`` (any mix of models,
     GPUs and TP sizes; the factors are shared). Factors the points cannot pin down keep their
@@ -283,7 +286,7 @@ def predict_s(samples: Sequence[ProfileSample], efficiency: Efficiency,
     return _Design(samples, catalog or default_catalog()).predict_s(efficiency.as_dict())
 
 
-def calibrate(samples: Sequence[ProfileSample], baseline: Efficiency = Efficiency(),
+def calibrate(samples: Sequence[ProfileSample], baseline: Efficiency = DEFAULT_EFFICIENCY,
               catalog: Catalog | None = None) -> CalibrationResult:
     """Fit per (model, GPU) and per GPU; report errors per phase for each (model, GPU, TP), each
     (model, GPU) over all its TP sizes, and overall.
@@ -308,7 +311,8 @@ def calibrate(samples: Sequence[ProfileSample], baseline: Efficiency = Efficienc
         after[indices] = predict_s(group, pair_fits[key], catalog)
     measured = np.array([s.point.measured_s for s in samples])
 
-    keys = {(s.model_name, s.gpu_name, s.point.tp_size, s.point.phase) for s in samples}
+    keys: set[tuple[str, str, int | None, Phase]] = {
+        (s.model_name, s.gpu_name, s.point.tp_size, s.point.phase) for s in samples}
     keys |= {(model_name, gpu_name, None, phase) for model_name, gpu_name, _, phase in keys}
     groups: list[GroupError] = []
     for model_name, gpu_name, tp, phase in sorted(keys, key=lambda k: (*k[:2], k[2] or 0, k[3])):

@@ -179,11 +179,12 @@ class PerfModel:
         return (roofline_s + self._comm_s_per_token * num_tokens + self._comm_latency_s
                 + self.efficiency.prefill_overhead_s)
 
-    def decode_step_time_s(self, batch_size: int, total_context_tokens: int) -> float:
+    def decode_step_time_s(self, batch_size: float, total_context_tokens: float) -> float:
         """Seconds for one decode step of ``batch_size`` sequences (0.0 if the batch is empty).
 
         ``total_context_tokens`` is the sum over the batch of each sequence's tokens so far
-        (prompt plus generated), i.e. the KV the step reads.
+        (prompt plus generated), i.e. the KV the step reads. Both may be fractional: the
+        analytic planners evaluate the roofline at mean batch sizes and contexts.
         """
         if batch_size <= 0:
             return 0.0
@@ -195,7 +196,7 @@ class PerfModel:
         return (roofline_s + self._comm_s_per_token * batch_size + self._comm_latency_s
                 + self.efficiency.decode_overhead_s)
 
-    def _weight_bytes_read(self, num_tokens: int) -> float:
+    def _weight_bytes_read(self, num_tokens: float) -> float:
         """Weight bytes one forward pass over ``num_tokens`` tokens reads on each GPU."""
         if not self._expert_bytes_per_expert:
             return self._dense_weight_bytes
@@ -244,7 +245,7 @@ class PerfModel:
             comm_steps=self._comm_steps,
         )
 
-    def decode_work(self, batch_size: int, total_context_tokens: int) -> PhaseWork:
+    def decode_work(self, batch_size: float, total_context_tokens: float) -> PhaseWork:
         """The work ``decode_step_time_s`` costs, before efficiency factors are applied."""
         return PhaseWork(
             flops=self._flops_per_token * batch_size

@@ -81,7 +81,7 @@ class SimConfig:
     client with ``ignore_eos`` would); the reservation covers prompt plus ``max_tokens``.
     ``scaling_interval_s``: how often a scaling policy is asked; ``scaling_history`` how many
     past intervals of arrival rate it sees. ``is_shortlisted``: give ``route`` only candidates no
-    other candidate dominates (see ``Simulator``); False passes every ready instance.
+    other candidate dominates (see ``pdserve.sim.shortlist``); False passes every ready instance.
     """
 
     cluster: ClusterSpec

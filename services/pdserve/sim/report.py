@@ -114,8 +114,10 @@ def format_summary(summary: SimSummary) -> str:
     n = max(1, summary.num_requests)
     reasons = [r.name.lower() for r in _REASONS]
     misses = _table(["SLO", "attained", *reasons], [
-        ["TTFT", f"{summary.ttft_attainment:.2%}", *(f"{summary.ttft_misses[r]:,}" for r in reasons)],
-        ["TPOT", f"{summary.tpot_attainment:.2%}", *(f"{summary.tpot_misses[r]:,}" for r in reasons)],
+        ["TTFT", f"{summary.ttft_attainment:.2%}",
+         *(f"{summary.ttft_misses[r]:,}" for r in reasons)],
+        ["TPOT", f"{summary.tpot_attainment:.2%}",
+         *(f"{summary.tpot_misses[r]:,}" for r in reasons)],
         ["both", f"{summary.attainment:.2%}", *(f"{summary.misses[r]:,}" for r in reasons)],
     ])
     totals = (f"requests {summary.num_requests:,}: completed {summary.num_completed:,}, "

@@ -73,7 +73,8 @@ class Trace:
         if any(p is None for p in hash_parts) and not all(p is None for p in hash_parts):
             raise InvalidArgumentError("trace prefix hashes need all four hash columns",
                                        field="trace")
-        if self.hash_row is not None and (len(self.hash_row) != n or len(self.hash_salt) != n):
+        if self.hash_row is not None and self.hash_salt is not None and (
+                len(self.hash_row) != n or len(self.hash_salt) != n):
             raise InvalidArgumentError("trace hash_row/hash_salt must have one entry per request",
                                        field="trace")
         if n and (int(self.prompt_tokens.min()) < 1 or int(self.output_tokens.min()) < 1):
@@ -141,14 +142,15 @@ class Trace:
             raise InvalidArgumentError(
                 f"block_size_tokens {block_size_tokens} must divide the trace's hash block of "
                 f"{self.hash_block_tokens} tokens", field="block_size_tokens")
-        assert self.hash_offsets is not None and self.hash_ids is not None
+        assert (self.hash_offsets is not None and self.hash_ids is not None
+                and self.hash_salt is not None)
         ids = self.hash_ids[self.hash_offsets[row]:self.hash_offsets[row + 1]].tolist()
         num_full = int(self.prompt_tokens[index]) // block_size_tokens
         per_chunk = self.hash_block_tokens // block_size_tokens
         num_chunks = min(len(ids), -(-num_full // per_chunk))
         if num_chunks == 0:
             return []
-        salt = int(self.hash_salt[index])  # type: ignore[index]
+        salt = int(self.hash_salt[index])
         chain = []
         parent = salt * _GOLDEN64 & _MASK64
         for value in ids[:num_chunks]:
@@ -352,13 +354,16 @@ def _whole(value: object) -> int:
 
 
 def _sorted_trace(arrivals: array, prompts: array, outputs: array, *, name: str,
-                  **hashes: np.ndarray) -> Trace:
+                  hash_row: np.ndarray | None = None, hash_salt: np.ndarray | None = None,
+                  hash_offsets: np.ndarray | None = None,
+                  hash_ids: np.ndarray | None = None) -> Trace:
     arrival_s = np.frombuffer(arrivals, dtype=np.float64).copy() if arrivals else np.zeros(0)
     prompt = np.frombuffer(prompts, dtype=np.int64).copy() if prompts else np.zeros(0, np.int64)
     output = np.frombuffer(outputs, dtype=np.int64).copy() if outputs else np.zeros(0, np.int64)
     if len(arrival_s):
         arrival_s -= arrival_s[0]
-    trace = Trace(arrival_s, prompt, output, name=name, **hashes)  # type: ignore[arg-type]
+    trace = Trace(arrival_s, prompt, output, hash_row, hash_salt, hash_offsets, hash_ids,
+                  name=name)
     if len(arrival_s) > 1 and bool(np.any(np.diff(arrival_s) < 0)):
         trace = trace.take(np.argsort(arrival_s, kind="stable"))
         trace = _with_arrivals(trace, trace.arrival_s - trace.arrival_s[0])
@@ -410,9 +415,9 @@ def rate_scale(trace: Trace, factor: float, *, seed: int = 0, jitter_s: float = 
     order = np.argsort(times, kind="stable")
     index, times, copies = index[order], times[order], copies[order]
     hash_row = hash_salt = None
-    if trace.hash_row is not None:
+    if trace.hash_row is not None and trace.hash_salt is not None:
         hash_row = trace.hash_row[index]
-        hash_salt = trace.hash_salt[index] * (num_whole + 2) + copies  # type: ignore[index]
+        hash_salt = trace.hash_salt[index] * (num_whole + 2) + copies
     return Trace(times, trace.prompt_tokens[index], trace.output_tokens[index], hash_row,
                  hash_salt, trace.hash_offsets, trace.hash_ids, trace.hash_block_tokens,
                  trace.name)
@@ -539,18 +544,20 @@ class DayDemand:
         grid = np.arange(0.0, self.shape.duration_s + grid_s, grid_s)
         grid[-1] = min(grid[-1], self.shape.duration_s)
         rates = self.rate_per_s(grid)
-        cumulative = np.concatenate(([0.0], np.cumsum((rates[1:] + rates[:-1]) / 2 * np.diff(grid))))
+        steps = (rates[1:] + rates[:-1]) / 2 * np.diff(grid)
+        cumulative = np.concatenate(([0.0], np.cumsum(steps)))
         num = int(rng.poisson(cumulative[-1]))
         arrival_s = np.interp(np.sort(rng.uniform(0.0, cumulative[-1], num)), cumulative, grid)
         prompts, outputs = _sample_sizes(rng, num, LengthSpec(1), LengthSpec(1), sizes)
-        return Trace(arrival_s, prompts, outputs, name=f"day({self.shape.peak_rate_per_s:g}/s peak)")
+        return Trace(arrival_s, prompts, outputs,
+                     name=f"day({self.shape.peak_rate_per_s:g}/s peak)")
 
 
-def iter_chunks(trace: Trace, chunk: int = 1 << 16) -> Iterator[tuple[int, list[float], list[int],
-                                                                       list[int]]]:
+def iter_chunks(trace: Trace, chunk: int = 1 << 16
+                ) -> Iterator[tuple[int, list[float], list[int], list[int]]]:
     """``(start, arrivals, prompts, outputs)`` as Python lists, ``chunk`` rows at a time: the
     simulator's hot loop reads lists (fast scalar access) without converting a whole trace."""
     for start in range(0, trace.num_requests, chunk):
         stop = start + chunk
-        yield (start, trace.arrival_s[start:stop].tolist(), trace.prompt_tokens[start:stop].tolist(),
-               trace.output_tokens[start:stop].tolist())
+        yield (start, trace.arrival_s[start:stop].tolist(),
+               trace.prompt_tokens[start:stop].tolist(), trace.output_tokens[start:stop].tolist())

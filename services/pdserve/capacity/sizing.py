@@ -1,0 +1,268 @@
+"""Demand to instances: how many prefill and decode instances a request rate needs, from the
+capacity and performance models (``size_pools``; the autoscaler, its oracle in
+``bench/autoscale.py`` and the governor use the same arithmetic).
+
+Prefill is compute: one instance prefills ``speedup / prefill_time_s(mean prompt)`` requests per
+second, sized at ``prefill_target_utilization`` (TTFT includes queue wait). Decode is KV memory
+and batch: an instance runs at most ``min(max_batch_size, KV blocks / blocks per sequence,
+largest batch whose step time meets the TPOT SLO)`` sequences, each for ``mean_output x
+step_time`` seconds; sized at ``decode_target_utilization`` of the throughput that batch
+delivers (see ``decode_rate_per_instance`` for why throughput, not batch). Backlog (queued prompt
+tokens, sequences waiting for KV room) is added as the rate that clears it within the backlog
+horizon. The two pools are sized from different quantities (prompt length for prefill; output
+length, context and KV for decode), so they scale independently.
+
+Only means enter here: the SLO planner (``planner``) sizes from a whole length distribution
+with queueing; this is the cheap form a scaling decision can afford every interval.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from pdserve.common.errors import InvalidArgumentError
+from pdserve.perf.catalog import get_gpu, get_model
+from pdserve.perf.kv_budget import CapacityConfig, blocks_per_request, capacity_report
+from pdserve.perf.perf_model import PerfModel, perf_model_for
+
+_EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceProfile:
+    """What one prefill and one decode instance of a deployment can do.
+
+    ``decode_num_blocks`` is the KV blocks of one decode instance (``kv_budget``); ``speedup``
+    is simulated seconds per wall second of the instances (sim workers run faster than the
+    hardware they model; 1 on real GPUs), so capacities are per second of the caller's clock.
+    """
+
+    prefill_perf: PerfModel
+    decode_perf: PerfModel
+    decode_num_blocks: int
+    block_size_tokens: int = 16
+    max_batch_size: int = 256
+    speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.decode_num_blocks < 1:
+            raise InvalidArgumentError(
+                f"decode_num_blocks must be >= 1, got {self.decode_num_blocks}",
+                field="decode_num_blocks")
+        if self.block_size_tokens < 1:
+            raise InvalidArgumentError(
+                f"block_size_tokens must be >= 1, got {self.block_size_tokens}",
+                field="block_size_tokens")
+        if self.max_batch_size < 1:
+            raise InvalidArgumentError(
+                f"max_batch_size must be >= 1, got {self.max_batch_size}", field="max_batch_size")
+        if not (math.isfinite(self.speedup) and self.speedup > 0):
+            raise InvalidArgumentError(f"speedup must be > 0, got {self.speedup}", field="speedup")
+
+    @property
+    def num_gpus_per_prefill(self) -> int:
+        return self.prefill_perf.tp_size
+
+    @property
+    def num_gpus_per_decode(self) -> int:
+        return self.decode_perf.tp_size
+
+    @classmethod
+    def from_catalog(cls, model: str, gpu: str, *, prefill_tp_size: int = 1,
+                     decode_tp_size: int = 1, block_size_tokens: int = 16,
+                     max_batch_size: int = 256, gpu_memory_utilization: float = 0.9,
+                     max_num_blocks: int = 0, speedup: float = 1.0) -> InstanceProfile:
+        """A profile from catalog names: calibrated performance models, estimated KV capacity
+        (capped at ``max_num_blocks`` when > 0, as sim workers may be)."""
+        report = capacity_report(get_model(model), get_gpu(gpu), CapacityConfig(
+            tp_size=decode_tp_size, block_size_tokens=block_size_tokens,
+            gpu_memory_utilization=gpu_memory_utilization))
+        num_blocks = report.num_blocks
+        if max_num_blocks > 0:
+            num_blocks = min(num_blocks, max_num_blocks)
+        return cls(
+            prefill_perf=perf_model_for(model, gpu, prefill_tp_size),
+            decode_perf=perf_model_for(model, gpu, decode_tp_size),
+            decode_num_blocks=num_blocks, block_size_tokens=block_size_tokens,
+            max_batch_size=max_batch_size, speedup=speedup,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SizingConfig:
+    """How demand becomes instances.
+
+    ``tpot_slo_s`` bounds the decode batch (the step time of a full batch must meet it);
+    ``*_target_utilization`` is the share of an instance's throughput the plan uses at the
+    forecast demand (the rest absorbs arrivals bunching within an interval: TTFT includes queue
+    wait; decode throughput at the TPOT-limited batch). ``kv_growth_fraction``: share of the
+    output a sequence's KV reservation covers (1 = the whole output, as the router reserves an
+    expected length up front; 0.5 = the average footprint of sequences that grow block by
+    block).
+    """
+
+    tpot_slo_s: float = 0.1
+    prefill_target_utilization: float = 0.75
+    decode_target_utilization: float = 0.8
+    kv_growth_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tpot_slo_s) and self.tpot_slo_s > 0):
+            raise InvalidArgumentError(f"tpot_slo_s must be > 0, got {self.tpot_slo_s}",
+                                       field="tpot_slo_s")
+        for name in ("prefill_target_utilization", "decode_target_utilization"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise InvalidArgumentError(f"{name} must be in (0, 1], got {value}", field=name)
+        if not 0.0 <= self.kv_growth_fraction <= 1.0:
+            raise InvalidArgumentError(
+                f"kv_growth_fraction must be in [0, 1], got {self.kv_growth_fraction}",
+                field="kv_growth_fraction")
+
+
+class DecodeLimit(enum.StrEnum):
+    """What caps the batch of a decode instance."""
+
+    MAX_BATCH = "max_batch"
+    KV = "kv"
+    TPOT = "tpot"
+
+
+@dataclass(frozen=True, slots=True)
+class SizingDemand:
+    """Demand to size for at one decision: request rate (per second of the caller's clock), mean
+    lengths, and work already waiting (prompt tokens queued for prefill; sequences waiting for
+    decode KV). Means only, unlike the planner's ``plan_inputs.Demand``, which carries a sample
+    of the length distribution for its queueing model."""
+
+    arrival_rate_per_s: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    num_queued_prefill_tokens: float = 0.0
+    num_queued_decode_seqs: float = 0.0
+    backlog_horizon_s: float = 60.0
+    """Backlog is served within this long (the autoscaler uses its lead time)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizing:
+    """Instances each pool needs for a ``SizingDemand`` (fractional: round up to decide) and the
+    per-instance capacities behind them (requests per second at the target utilisation)."""
+
+    num_prefill: float
+    num_decode: float
+    prefill_rate_per_instance: float
+    decode_rate_per_instance: float
+    decode_batch_size: float
+    decode_limit: DecodeLimit
+
+
+def prefill_rate_per_instance(profile: InstanceProfile, sizing: SizingConfig,
+                              mean_prompt_tokens: float) -> float:
+    """Requests per second one prefill instance serves at the target utilisation.
+
+    Costed as one prompt of the mean length per batch: slightly pessimistic (batching shares the
+    fixed overhead and weight reads) and blind to the spread of lengths (attention is quadratic
+    in the prompt), which the target utilisation leaves room for.
+    """
+    prompt = max(1, round(mean_prompt_tokens))
+    seconds = profile.prefill_perf.prefill_time_s([prompt]) / profile.speedup
+    return sizing.prefill_target_utilization / seconds
+
+
+def decode_batch_limit(profile: InstanceProfile, sizing: SizingConfig, mean_prompt_tokens: float,
+                       mean_output_tokens: float) -> tuple[int, DecodeLimit]:
+    """The largest batch one decode instance can run, and what limits it.
+
+    KV: ``num_blocks // blocks per sequence`` with ``prompt + kv_growth_fraction x output``
+    tokens per sequence. TPOT: the largest batch whose step time (sequences at their average
+    context, ``prompt + output / 2``) meets ``tpot_slo_s`` (at least 1: a lone sequence that
+    misses it cannot be helped by more instances).
+    """
+    perf = profile.decode_perf
+    kv_tokens = mean_prompt_tokens + sizing.kv_growth_fraction * mean_output_tokens
+    kv_blocks = max(1, blocks_per_request(max(1, math.ceil(kv_tokens)), profile.block_size_tokens))
+    kv_batch = max(1, profile.decode_num_blocks // kv_blocks)
+    context = mean_prompt_tokens + mean_output_tokens / 2.0
+    limit, cap = DecodeLimit.MAX_BATCH, profile.max_batch_size
+    if kv_batch < cap:
+        limit, cap = DecodeLimit.KV, kv_batch
+    tpot_s = sizing.tpot_slo_s * profile.speedup  # the model's own seconds
+
+    def meets(batch: int) -> bool:
+        return perf.decode_step_time_s(batch, math.ceil(batch * context)) <= tpot_s
+
+    if meets(cap):
+        return cap, limit
+    low, high = 1, cap  # meets(low) may be false; the answer is then 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+    return low, DecodeLimit.TPOT
+
+
+def decode_rate_per_instance(profile: InstanceProfile, sizing: SizingConfig,
+                             mean_prompt_tokens: float,
+                             mean_output_tokens: float) -> tuple[float, float, DecodeLimit]:
+    """Requests per second one decode instance serves at the target utilisation, the batch it
+    runs then, and what limits the batch.
+
+    A request holds a batch slot for ``mean_output x step_time(batch)`` seconds, so an instance
+    running ``batch`` sequences completes ``batch / (output x step)`` requests per second
+    (Little's law). The target utilisation applies to that *throughput* at the largest allowed
+    batch, not to the batch: decode steps of large models grow almost linearly with the batch
+    once compute-bound, so a batch at 80% of the TPOT limit can deliver nearly 100% of the
+    throughput, and an instance offered more than its maximum throughput does not degrade
+    gently: its batch grows until every sequence on it misses the TPOT SLO.
+    """
+    max_batch, limit = decode_batch_limit(profile, sizing, mean_prompt_tokens, mean_output_tokens)
+    context = mean_prompt_tokens + mean_output_tokens / 2.0
+    output = max(1.0, mean_output_tokens)
+
+    def rate_at(batch: int) -> float:
+        step_s = profile.decode_perf.decode_step_time_s(
+            batch, math.ceil(batch * context)) / profile.speedup
+        return batch / (output * step_s)
+
+    rate = sizing.decode_target_utilization * rate_at(max_batch)
+    low, high = 1, max_batch  # the smallest batch that sustains ``rate`` (rate_at increases)
+    while low < high:
+        middle = (low + high) // 2
+        if rate_at(middle) >= rate:
+            high = middle
+        else:
+            low = middle + 1
+    return rate, float(low), limit
+
+
+def size_pools(profile: InstanceProfile, sizing: SizingConfig,
+               demand: SizingDemand) -> PoolSizing:
+    """Instances each pool needs for ``demand`` (pure; the oracle in ``bench/autoscale.py`` and
+    the planner's callers use the same arithmetic)."""
+    prefill_rate = prefill_rate_per_instance(profile, sizing, demand.mean_prompt_tokens)
+    decode_rate, batch, limit = decode_rate_per_instance(
+        profile, sizing, demand.mean_prompt_tokens, demand.mean_output_tokens)
+    horizon_s = max(demand.backlog_horizon_s, _EPSILON)
+    prefill_backlog_rate = (demand.num_queued_prefill_tokens
+                            / max(1.0, demand.mean_prompt_tokens) / horizon_s)
+    decode_backlog_rate = demand.num_queued_decode_seqs / horizon_s
+    rate = max(0.0, demand.arrival_rate_per_s)
+    return PoolSizing(
+        num_prefill=(rate + prefill_backlog_rate) / prefill_rate,
+        num_decode=(rate + decode_backlog_rate) / decode_rate,
+        prefill_rate_per_instance=prefill_rate,
+        decode_rate_per_instance=decode_rate,
+        decode_batch_size=batch,
+        decode_limit=limit,
+    )
+
+
+def instances_for(need: float) -> int:
+    """Whole instances for a fractional need (a hair over an integer does not add one)."""
+    return max(0, math.ceil(need - 1e-6))
+
