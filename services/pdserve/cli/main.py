@@ -69,11 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_vllm_worker(words: Sequence[str]) -> bool:
+    for index, word in enumerate(words):
+        if word == "--engine" and index + 1 < len(words):
+            return words[index + 1] == "vllm"
+        if word.startswith("--engine="):
+            return word.partition("=")[2] == "vllm"
+    return os.environ.get("PDSERVE_ENGINE") == "vllm"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    if words[:2] == ["serve", "worker"]:
+    if words[:2] == ["serve", "worker"] and not _is_vllm_worker(words):
         # Engines compute with numpy: one BLAS thread per worker, set before numpy loads, keeps
         # the tiny engine's KV bytes independent of the thread count (and is faster here).
+        # vLLM sizes and pins its own OpenMP threads (an OMP_NUM_THREADS set here overrides
+        # that, and two engines then spin on the same cores).
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     parser = build_parser()

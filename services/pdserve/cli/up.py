@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import secrets
 import time
@@ -45,8 +46,12 @@ class UpSettings(CommonSettings):
     log_format: LogFormat = setting(LogFormat.TEXT, help="json or text.")
     model: str = setting(DEFAULT_MODEL, help="Model (deployment) to serve, from the catalog.")
     gpu: str = setting(DEFAULT_GPU, help="GPU from the catalog the sim workers model.")
-    num_prefill: int = setting(2, parser=int_range(0, 64), help="Prefill workers.")
-    num_decode: int = setting(2, parser=int_range(1, 64), help="Decode workers.")
+    num_prefill: int = setting(
+        -1, parser=int_range(-1, 64),
+        help="Prefill workers (-1 = 2, or 1 with the vllm engine).")
+    num_decode: int = setting(
+        -1, parser=int_range(-1, 64),
+        help="Decode workers (-1 = 2, or 1 with the vllm engine).")
     speedup: float = setting(
         1.0, parser=float_range(1e-3, 1e12),
         help="Sim speed-up of the workers.")
@@ -56,8 +61,25 @@ class UpSettings(CommonSettings):
     transport: str = setting("tcp", help="KV transport between workers.")
     engine: str = setting(
         "sim",
-        help="Engine of the workers: sim (roofline timing) or tiny (a real small transformer on "
-             "the CPU; its KV and tokens are real).")
+        help="Engine of the workers: sim (roofline timing), tiny (a real small transformer on "
+             "the CPU; its KV and tokens are real) or vllm (a real model in vLLM, from "
+             "model_path).")
+    model_path: Path | None = setting(
+        None,
+        help="vllm engine: the model folder every worker serves (`pdserve models` builds one).")
+    vllm_dtype: str = setting("auto", help="vllm engine: dtype (auto = the model's).")
+    vllm_max_model_len: int = setting(
+        0, parser=int_range(0, 10_000_000),
+        help="vllm engine: context length (0 = the model's).")
+    vllm_num_blocks: int = setting(
+        0, parser=int_range(0, 10_000_000),
+        help="vllm engine: KV blocks per worker (0 = vLLM sizes its cache).")
+    vllm_block_size_tokens: int = setting(
+        0, parser=int_range(0, 1024),
+        help="vllm engine: tokens per KV block (0 = vLLM's default).")
+    vllm_kv_cache_gib: float = setting(
+        1.0, parser=float_range(0.0625, 4096.0),
+        help="vllm engine, CPU build: GiB of KV cache per worker.")
     join_token: str = setting(
         "", help="Worker join token; empty = a fresh random one.", is_secret=True
     )
@@ -118,11 +140,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_namespace(UpSettings, args, os.environ)
+    if settings.engine == "vllm" and settings.model == DEFAULT_MODEL and settings.model_path:
+        # The catalog's default names a model these workers do not serve: the deployment is
+        # the model folder's name unless one was given.
+        settings = dataclasses.replace(settings, model=Path(settings.model_path).name)
     return asyncio.run(_up(settings))
 
 
 def _announce(line: str) -> None:
     print(line, flush=True)
+
+
+def pool_sizes(settings: UpSettings) -> tuple[int, int]:
+    """(prefill, decode) workers: as set, else 2 each (1 each with the vllm engine, whose
+    engines are large)."""
+    default = 1 if settings.engine == "vllm" else 2
+    num_prefill = default if settings.num_prefill < 0 else settings.num_prefill
+    num_decode = default if settings.num_decode < 0 else max(1, settings.num_decode)
+    return num_prefill, num_decode
+
+
+def vllm_worker_args(settings: UpSettings) -> list[str]:
+    from pdserve.common.errors import ConfigError
+
+    if settings.engine != "vllm":
+        return []
+    if settings.model_path is None:
+        raise ConfigError("PDSERVE_MODEL_PATH: --engine vllm needs --model-path (a model "
+                          "folder; `pdserve models smollm2 DIR` builds one)", field="model_path")
+    from pdserve.worker.engines.vllm.model_folders import check_model_folder
+
+    folder = check_model_folder(Path(settings.model_path))  # one clear error, before any worker
+    return ["--model-path", str(folder.path), "--vllm-dtype", settings.vllm_dtype,
+            "--vllm-max-model-len", str(settings.vllm_max_model_len),
+            "--vllm-num-blocks", str(settings.vllm_num_blocks),
+            "--vllm-block-size-tokens", str(settings.vllm_block_size_tokens),
+            "--vllm-kv-cache-gib", str(settings.vllm_kv_cache_gib)]
 
 
 def worker_tls_args(settings: UpSettings) -> list[str]:
@@ -176,6 +229,8 @@ async def _up(settings: UpSettings) -> int:
     from pdserve.state.stores import open_stores
 
     runtime = setup_process(settings)
+    num_prefill, num_decode = pool_sizes(settings)
+    vllm_args = vllm_worker_args(settings)
     stop = asyncio.Event()
     stop_on_signals(stop)
     stores = open_stores(settings.redis_url)
@@ -191,8 +246,8 @@ async def _up(settings: UpSettings) -> int:
     coordinator.register(server)
     pools = {}
     for role, count in (
-        (WorkerRole.PREFILL, settings.num_prefill),
-        (WorkerRole.DECODE, settings.num_decode),
+        (WorkerRole.PREFILL, num_prefill),
+        (WorkerRole.DECODE, num_decode),
     ):
         pool_settings = PoolSettings(
             role=role,
@@ -234,7 +289,11 @@ async def _up(settings: UpSettings) -> int:
     from pdserve.governor.settings import GovernorSettings
 
     governor = GovernorApp(
-        GovernorSettings(autoscale_deployments=(settings.model,), autoscale_gpu=settings.gpu,
+        # A vllm model folder is not in the catalog the autoscaler sizes pools from: its pools
+        # keep the sizes asked for.
+        GovernorSettings(autoscale_deployments=(
+                             () if settings.engine == "vllm" else (settings.model,)),
+                         autoscale_gpu=settings.gpu,
                          autoscale_cold_start_s=settings.cold_start_s,
                          autoscale_speedup=settings.speedup,
                          autoscale_max_num_blocks=settings.max_num_blocks,
@@ -265,6 +324,7 @@ async def _up(settings: UpSettings) -> int:
         settings.engine,
         "--max-num-blocks",
         str(settings.max_num_blocks),
+        *vllm_args,
         "--log-format",
         "text",
         "--log-level",
@@ -287,10 +347,10 @@ async def _up(settings: UpSettings) -> int:
         while not stop.is_set():
             # Ready means the router can route: count what its pool view sees, not the store.
             num_ready = {r: len(router.view.ready(settings.model, r)) for r in WorkerRole}
-            if (num_ready[WorkerRole.PREFILL] >= settings.num_prefill
-                    and num_ready[WorkerRole.DECODE] >= settings.num_decode):
-                _announce(f"ready model {settings.model}: {settings.num_prefill} prefill, "
-                          f"{settings.num_decode} decode workers "
+            if (num_ready[WorkerRole.PREFILL] >= num_prefill
+                    and num_ready[WorkerRole.DECODE] >= num_decode):
+                _announce(f"ready model {settings.model}: {num_prefill} prefill, "
+                          f"{num_decode} decode workers "
                           f"({time.monotonic() - started:.1f}s)")
                 break
             try:

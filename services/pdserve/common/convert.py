@@ -104,6 +104,7 @@ def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:
         num_running_seqs=load.num_running_seqs,
         num_free_blocks=load.num_free_blocks,
         num_total_blocks=load.num_total_blocks,
+        num_waiting_seqs=load.num_waiting_seqs,
     )
 
 
@@ -113,6 +114,7 @@ def load_from_pb(message: pb.WorkerLoad) -> WorkerLoad:
         num_running_seqs=message.num_running_seqs,
         num_free_blocks=message.num_free_blocks,
         num_total_blocks=message.num_total_blocks,
+        num_waiting_seqs=message.num_waiting_seqs,
     )
 
 

@@ -90,6 +90,8 @@ class WorkerLoad:
     num_running_seqs: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    num_waiting_seqs: int = 0
+    """Requests waiting in the engine's own queue (a self-scheduling engine reports it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -452,8 +452,9 @@ class Router:
         return worker_pb2.DecodeRequest(
             token=token_to_pb(token), prompt_token_ids=request.prompt_token_ids,
             sampling=pb.SamplingParams(max_tokens=request.max_tokens,
-                                       temperature=request.temperature, seed=request.seed,
-                                       ignore_eos=request.ignore_eos),
+                                       temperature=request.temperature, top_p=request.top_p,
+                                       seed=request.seed, ignore_eos=request.ignore_eos,
+                                       stop=request.stop),
             is_local_prefill=decision.is_local_prefill, num_blocks=decision.num_blocks,
             kv_wait_timeout_ms=int(self.config.kv_wait_timeout_s * 1000), request_id=request_id,
         )

@@ -28,7 +28,13 @@ from pdserve.common.types import FencingToken, WorkerLoad, WorkerRole, WorkerSta
 from pdserve.worker.experts import ExpertPlacement, take_expert_token_counts
 from pdserve.worker.kv_checksums import KvChecksum
 from pdserve.worker.reports import ControlPlane, NullControlPlane, TicketReports
-from pdserve.worker.runtime import EngineRuntime, PrefillResult, ProfilePoint, TransferTiming
+from pdserve.worker.runtime import (
+    EngineRuntime,
+    PrefillResult,
+    ProfilePoint,
+    Sampling,
+    TransferTiming,
+)
 from pdserve.worker.transports.base import KvReceiver
 from pdserve.worker.transports.registry import TransportBackend
 from pdserve.worker.transports.values import KvDestinationSpec
@@ -119,7 +125,7 @@ class WorkerAgent(abc.ABC):
         raise self._wrong_role()
 
     async def prefill(self, token: FencingToken, prompt_token_ids: list[int],
-                      destination: KvDestinationSpec, lease_s: float,
+                      destination: KvDestinationSpec | None, lease_s: float,
                       request_id: str = "") -> PrefillResult:
         """Prefill workers compute prompts; others refuse."""
         raise self._wrong_role()
@@ -128,6 +134,7 @@ class WorkerAgent(abc.ABC):
         self, token: FencingToken, prompt_token_ids: list[int], max_tokens: int, *,
         is_local_prefill: bool = False, num_blocks: int = 0,
         kv_wait_timeout_s: float | None = None, request_id: str = "",
+        sampling: Sampling | None = None,
     ) -> AsyncIterator[tuple[list[int], TransferTiming | None]]:
         """Decode workers decode; others refuse."""
         raise self._wrong_role()
@@ -154,6 +161,18 @@ class WorkerAgent(abc.ABC):
     def receiver(self) -> KvReceiver | None:
         """The KV receiver in this process (decode workers), for its refusal counters."""
         return None
+
+    @property
+    def num_refused_frames(self) -> int:
+        """KV frames the receiver refused (a late or unowned write), wherever it runs."""
+        if self.receiver is not None:
+            return self.receiver.num_rejections
+        return int(getattr(self.runtime, "num_rejections", 0))
+
+    def prompt_tokens_by_source(self) -> dict[str, int]:
+        """Prompt tokens by where their KV came from, when the engine counts them (vLLM)."""
+        counts = getattr(self.runtime, "prompt_tokens_by_source", None)
+        return dict(counts()) if callable(counts) else {}
 
     def held_blocks(self) -> dict[str, int]:
         """Blocks held per fencing token (``str(token)``), for the ledger's reconciliation;

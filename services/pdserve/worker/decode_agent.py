@@ -25,6 +25,7 @@ from pdserve.worker.runtime import (
     DecodeRequest,
     DecodeRuntime,
     KvPlacement,
+    Sampling,
     TransferTiming,
 )
 from pdserve.worker.transports.base import KvReceiver
@@ -112,8 +113,10 @@ class DecodeAgent(WorkerAgent):
         self, token: FencingToken, prompt_token_ids: list[int], max_tokens: int, *,
         is_local_prefill: bool = False, num_blocks: int = 0,
         kv_wait_timeout_s: float | None = None, request_id: str = "",
+        sampling: Sampling | None = None,
     ) -> AsyncIterator[tuple[list[int], TransferTiming | None]]:
-        """Yield (new tokens, timing-on-first-chunk); ends after ``max_tokens`` tokens."""
+        """Yield (new tokens, timing-on-first-chunk); ends after ``max_tokens`` tokens, or
+        earlier where the engine stops the sequence (end of sequence, a stop string)."""
         if max_tokens <= 0:
             raise InvalidArgumentError("sampling.max_tokens: must be > 0",
                                        field="sampling.max_tokens")
@@ -124,7 +127,8 @@ class DecodeAgent(WorkerAgent):
         request = DecodeRequest(
             token, list(prompt_token_ids), max_tokens,
             kv_wait_timeout_s=kv_wait_timeout_s or self.config.kv_wait_timeout_s,
-            request_id=request_id, is_local_prefill=is_local_prefill, num_blocks=num_blocks)
+            request_id=request_id, is_local_prefill=is_local_prefill, num_blocks=num_blocks,
+            sampling=sampling or Sampling())
         is_decoding = False
         try:
             async with contextlib.aclosing(self.runtime.decode(request)) as stream:

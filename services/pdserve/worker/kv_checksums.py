@@ -28,6 +28,9 @@ class KvChecksum:
     crc32: int
     num_blocks: int
     num_layers: int
+    block_crc32s: tuple[int, ...] = ()
+    """One CRC-32 per block over its layers in order, when the side computed them (the vLLM
+    connector does): an audit can then say which block differs."""
 
 
 def kv_checksum(kv_cache: KvCache, block_ids: Sequence[int]) -> int:

@@ -45,24 +45,21 @@ class PrefillAgent(WorkerAgent):
         await self.runtime.start(self.transport)
 
     async def prefill(self, token: FencingToken, prompt_token_ids: list[int],
-                      destination: KvDestinationSpec, lease_s: float,
+                      destination: KvDestinationSpec | None, lease_s: float,
                       request_id: str = "") -> PrefillResult:
-        """Queue, compute and ship a prompt; returns (first token, timing, cached prompt tokens)."""
+        """Queue, compute and ship a prompt; returns (first token, timing, cached prompt tokens).
+        ``destination`` None: the decode side publishes it later at the coordinator's
+        rendezvous (only a runtime that ``takes_late_destinations`` accepts that)."""
         self._check_accepting()
         if not prompt_token_ids:
             raise InvalidArgumentError("prompt_token_ids: empty", field="prompt_token_ids")
-        layout = self.runtime.layout
-        if destination.layout.num_layers != layout.num_layers or (
-            destination.layout.block_size_tokens != layout.block_size_tokens
-            or destination.layout.block_nbytes != layout.block_nbytes
-        ):
-            raise InvalidArgumentError(
-                f"destination.kv_layout: {destination.layout} does not match this worker's "
-                f"{layout}", field="destination.kv_layout")
-        if len(destination.block_ids) != layout.num_blocks_for(len(prompt_token_ids)):
-            raise InvalidArgumentError(
-                f"destination.block_ids: {len(destination.block_ids)} blocks for "
-                f"{len(prompt_token_ids)} tokens", field="destination.block_ids")
+        if destination is None:
+            if not self.runtime.takes_late_destinations:
+                raise InvalidArgumentError(
+                    "destination: required (this worker's engine does not use the rendezvous)",
+                    field="destination")
+        else:
+            self._check_destination(destination, len(prompt_token_ids))
         key = str(token)
         if key in self._prompts:
             raise InvalidArgumentError(f"token: ticket {key} is already queued", field="token")
@@ -74,6 +71,22 @@ class PrefillAgent(WorkerAgent):
         finally:
             if self._prompts.get(key) is prompt:
                 del self._prompts[key]
+
+    def _check_destination(self, destination: KvDestinationSpec, num_prompt_tokens: int) -> None:
+        layout = self.runtime.layout
+        if destination.layout.num_layers != layout.num_layers or (
+            destination.layout.block_size_tokens != layout.block_size_tokens
+            or destination.layout.block_nbytes != layout.block_nbytes
+        ):
+            raise InvalidArgumentError(
+                f"destination.kv_layout: {destination.layout} does not match this worker's "
+                f"{layout}", field="destination.kv_layout")
+        if self.runtime.takes_late_destinations:
+            return  # the engine's connector checks the blocks against its own placement
+        if len(destination.block_ids) != layout.num_blocks_for(num_prompt_tokens):
+            raise InvalidArgumentError(
+                f"destination.block_ids: {len(destination.block_ids)} blocks for "
+                f"{num_prompt_tokens} tokens", field="destination.block_ids")
 
     async def renew_queued_leases(self) -> None:
         """Called periodically (the heartbeat cadence): renew the leases of queued prompts (the

@@ -14,14 +14,21 @@ from typing import TYPE_CHECKING
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2_grpc
 from pdserve.common.convert import role_to_pb, worker_state_to_pb
-from pdserve.common.errors import ConfigError, NotFoundError, PdserveError, UnauthenticatedError
+from pdserve.common.errors import (
+    ConfigError,
+    NotFoundError,
+    PdserveError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.tokenizer_bundle import bundle_from_folder, bundle_to_pb
 from pdserve.common.types import WorkerRole, WorkerState
-from pdserve.worker.agent import AgentConfig
+from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.control import GrpcControlPlane, PoolClient
 from pdserve.worker.engine import Engine
+from pdserve.worker.runtime import EngineReadiness, Readiness
 from pdserve.worker.scheduler.agents import create_agent
 from pdserve.worker.servicer import SERVICE_NAME, WorkerAgentServicer
 from pdserve.worker.settings import WorkerSettings
@@ -90,21 +97,28 @@ def kv_backend(settings: WorkerSettings) -> TransportBackend:
 class WorkerProcess:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.tokenizer = (bundle_from_folder(settings.tokenizer_path)
-                          if settings.tokenizer_path else None)
+        tokenizer_path = settings.tokenizer_path or (
+            settings.model_path if settings.engine == "vllm" else None)
+        self.tokenizer = bundle_from_folder(tokenizer_path) if tokenizer_path else None
         """The model tokenizer this worker ships to the control plane; None = the byte one."""
-        self.engine = build_engine(settings)
         self._coordinator_channel = open_channel(settings.coordinator_address, settings)
         self._pool_channel = open_channel(settings.pool_address, settings)
         self.control = GrpcControlPlane(self._coordinator_channel, settings.worker_id)
         self.pool = PoolClient(self._pool_channel, settings.join_token)
-        self.agent = create_agent(
-            AgentConfig(worker_id=settings.worker_id, deployment=settings.deployment,
-                        role=settings.role, transport=settings.transport,
-                        max_batch_size=settings.max_batch_size,
-                        is_prefix_cache_simulated=settings.engine == "sim"),
-            self.engine, kv_backend(settings), self.control,
-        )
+        config = AgentConfig(worker_id=settings.worker_id, deployment=settings.deployment,
+                             role=settings.role, transport=settings.transport,
+                             max_batch_size=settings.max_batch_size,
+                             is_prefix_cache_simulated=settings.engine == "sim")
+        self.engine: Engine | None = None
+        """The in-house engine (sim, tiny); None for a self-scheduling one (vllm)."""
+        self.agent: WorkerAgent
+        if settings.engine == "vllm":
+            from pdserve.worker.engines.vllm.agents import create_vllm_agent
+
+            self.agent = create_vllm_agent(settings, config, kv_backend(settings), self.control)
+        else:
+            self.engine = build_engine(settings)
+            self.agent = create_agent(config, self.engine, kv_backend(settings), self.control)
         self.server = GrpcServer.from_settings(settings)
         self.server.add_servicer(SERVICE_NAME,
                                  worker_pb2_grpc.add_WorkerAgentServiceServicer_to_server,
@@ -114,13 +128,21 @@ class WorkerProcess:
         self._needs_full_prefix_report = True
         self._needs_tokenizer_sent = False
         self._next_expert_report_s = 0.0
+        self.has_failed = False
+        """The engine failed: the process reports FAILED, then exits non-zero."""
+
+    def engine_readiness(self) -> Readiness | None:
+        """A runtime that loads its engine in the background says when it can serve (vllm);
+        None for the in-house ones (ready at once; ``cold_start_s`` simulates loading)."""
+        readiness = getattr(self.agent.runtime, "readiness", None)
+        return readiness if isinstance(readiness, Readiness) else None
 
     def describe(self) -> pb.WorkerInfo:
-        layout = self.engine.layout
+        layout = self.agent.runtime.layout
         return pb.WorkerInfo(
             worker_id=self.agent.config.worker_id, deployment=self.settings.deployment,
             role=role_to_pb(self.settings.role), state=worker_state_to_pb(self.agent.state),
-            address=self.address, kv_address=self.agent.kv_address, engine=self.engine.name,
+            address=self.address, kv_address=self.agent.kv_address, engine=self.engine_name,
             gpu=self.settings.gpu, tp_size=self.settings.tp_size, model=self.settings.model,
             num_gpus=self.settings.tp_size,
             kv_layout=pb.KvLayout(num_layers=layout.num_layers, num_blocks=layout.num_blocks,
@@ -131,6 +153,10 @@ class WorkerProcess:
             tokenizer_sha256=self.tokenizer.sha256 if self.tokenizer else "",
             max_model_len=self.tokenizer.max_model_len if self.tokenizer else 0,
         )
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name if self.engine is not None else self.settings.engine
 
     def tokenizer_pb(self) -> pb.TokenizerBundle | None:
         return bundle_to_pb(self.tokenizer) if self.tokenizer else None
@@ -198,7 +224,15 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         ready_at = loop.time() + self.settings.cold_start_s / self.settings.cold_start_speedup
         while not stop.is_set():
-            if self.agent.state is WorkerState.LOADING and loop.time() >= ready_at:
+            readiness = self.engine_readiness()
+            if readiness is not None and readiness.state is EngineReadiness.FAILED and (
+                    self.agent.state is not WorkerState.FAILED):
+                logger.error("worker %s FAILED: its engine failed: %s",
+                             self.agent.config.worker_id, readiness.error)
+                self.agent.state = WorkerState.FAILED
+            is_engine_ready = readiness is None or readiness.state is EngineReadiness.READY
+            if (self.agent.state is WorkerState.LOADING and loop.time() >= ready_at
+                    and is_engine_ready):
                 self.agent.state = WorkerState.READY
                 logger.info("worker %s ready", self.agent.config.worker_id)
                 if on_ready is not None:
@@ -219,6 +253,9 @@ class WorkerProcess:
                 logger.warning("heartbeat failed: %s", exc.message)
             if self.agent.state is WorkerState.DRAINED:
                 logger.info("worker %s drained", self.agent.config.worker_id)
+                break
+            if self.agent.state is WorkerState.FAILED:
+                self.has_failed = True  # reported; the pool replaces this worker
                 break
             try:
                 await asyncio.wait_for(stop.wait(), self.heartbeat_interval_s)
@@ -276,4 +313,9 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event,
     try:
         await process.run(stop, lambda p: announce(f"ready worker {p.agent.config.worker_id}"))
     finally:
-        await process.close()
+        # A failed worker stays in the pool as FAILED (its history says why) until replaced.
+        await process.close(is_registered=not process.has_failed)
+    if process.has_failed:
+        readiness = process.engine_readiness()
+        raise UnavailableError(f"worker {process.agent.config.worker_id}: its engine failed"
+                               + (f": {readiness.error}" if readiness else ""))

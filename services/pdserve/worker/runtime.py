@@ -76,6 +76,24 @@ class DecodePhase(enum.StrEnum):
     DECODING = "decoding"  # the first token is out; the sequence is decoding
 
 
+class EngineReadiness(enum.StrEnum):
+    """Whether a runtime that loads its engine in the background can serve (``Readiness``)."""
+
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """What a runtime that loads in the background (vLLM) reports through ``readiness``: the
+    worker stays LOADING until READY, and turns FAILED (then exits) when the engine does. The
+    in-house runtimes have no such property: they are ready when ``start`` returns."""
+
+    state: EngineReadiness
+    error: str = ""
+
+
 # ---- values ---------------------------------------------------------------------------------
 
 
@@ -146,7 +164,9 @@ class PrefillTicket:
 
     token: FencingToken
     prompt_token_ids: list[int]
-    destination: KvDestinationSpec
+    destination: KvDestinationSpec | None
+    """Where the KV goes; None only for a runtime that ``takes_late_destinations`` (it learns
+    the destination from the coordinator's rendezvous)."""
     request_id: str = ""
     phase: PrefillPhase = PrefillPhase.QUEUED
 
@@ -173,6 +193,19 @@ class KvPlacement:
 
 
 @dataclass(frozen=True, slots=True)
+class Sampling:
+    """How a decode runtime picks tokens. The in-house engines decode greedily and ignore it; a
+    real engine (vLLM) samples with it. Zero values mean the engine's default."""
+
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeRequest:
     """One ticket's sequence to decode, as the agent hands it to a ``DecodeRuntime``."""
 
@@ -186,6 +219,7 @@ class DecodeRequest:
     """Compute the prompt here instead of receiving it (then ``admit`` was not called)."""
     num_blocks: int = 0
     """Local prefill: the blocks the ticket reserved at the coordinator."""
+    sampling: Sampling = Sampling()
 
 
 class DecodeChunk(NamedTuple):
@@ -243,6 +277,12 @@ class EngineRuntime(Protocol):
 
 class PrefillRuntime(EngineRuntime, Protocol):
     """Computes prompts and ships their KV to the decode worker each ticket names."""
+
+    @property
+    def takes_late_destinations(self) -> bool:
+        """Whether a ticket may come without a destination (then the runtime awaits it at the
+        coordinator's rendezvous, where a self-scheduling decode engine publishes it)."""
+        ...
 
     async def start(self, transport: TransportBackend) -> None:
         """Start taking prompts; their KV goes out over ``transport`` (the one the agent

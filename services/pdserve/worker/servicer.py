@@ -15,11 +15,17 @@ from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_from_pb, token_to_pb
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.worker.agent import WorkerAgent
+from pdserve.worker.runtime import Sampling
 from pdserve.worker.transports.values import KvDestinationSpec
 
 SERVICE_NAME = "pdserve.api.v1.WorkerAgentService"
 
 Context = grpc.aio.ServicerContext
+
+
+def sampling_from_pb(message: pb.SamplingParams) -> Sampling:
+    return Sampling(temperature=message.temperature, top_p=message.top_p or 1.0,
+                    seed=message.seed, stop=tuple(message.stop), ignore_eos=message.ignore_eos)
 
 
 class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
@@ -42,10 +48,11 @@ class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: Context) -> worker_pb2.PrefillResponse:
         token = token_from_pb(request.token)
-        if not request.HasField("destination"):
-            raise InvalidArgumentError("destination: required (rendezvous not used)",
-                                       field="destination")
-        destination = KvDestinationSpec.from_proto(request.destination)
+        # No destination (or an empty one, as an AdmitTicket answer without one is relayed):
+        # the decode engine publishes it at the coordinator's rendezvous.
+        destination = (KvDestinationSpec.from_proto(request.destination)
+                       if request.HasField("destination") and request.destination.kv_address
+                       else None)
         lease_s = request.lease_ms / 1000 if request.lease_ms else 10.0
         result = await self._agent.prefill(
             token, list(request.prompt_token_ids), destination, lease_s, request.request_id)
@@ -63,7 +70,7 @@ class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
             is_local_prefill=request.is_local_prefill, num_blocks=int(request.num_blocks),
             kv_wait_timeout_s=(request.kv_wait_timeout_ms / 1000 if request.kv_wait_timeout_ms
                                else None),
-            request_id=request.request_id,
+            request_id=request.request_id, sampling=sampling_from_pb(request.sampling),
         )
         async for token_ids, timing in stream:
             num_sent += len(token_ids)
@@ -73,6 +80,8 @@ class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
             if num_sent >= max_tokens:
                 message.finish_reason = pb.FINISH_REASON_LENGTH
             yield message
+        if num_sent < max_tokens:  # the engine ended the sequence (end of sequence, a stop)
+            yield worker_pb2.DecodeResponse(finish_reason=pb.FINISH_REASON_STOP)
 
     async def DropTicket(self, request: worker_pb2.DropTicketRequest,
                          context: Context) -> worker_pb2.DropTicketResponse:
@@ -121,9 +130,11 @@ class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
             num_used_blocks=load.num_total_blocks - load.num_free_blocks,
             num_total_blocks=load.num_total_blocks,
             kv_checksums=[worker_pb2.KvChecksum(token=token_to_pb(c.token), crc32=c.crc32,
-                                                num_blocks=c.num_blocks, num_layers=c.num_layers)
+                                                num_blocks=c.num_blocks, num_layers=c.num_layers,
+                                                block_crc32s=c.block_crc32s)
                           for c in agent.kv_checksums],
-            num_refused_frames=receiver.num_rejections if receiver is not None else 0,
+            num_refused_frames=agent.num_refused_frames,
+            prompt_tokens_by_source=agent.prompt_tokens_by_source(),
             num_late_writes_accepted=(receiver.tickets.num_late_writes_accepted
                                       if receiver is not None else 0),
         )

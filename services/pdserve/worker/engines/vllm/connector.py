@@ -14,7 +14,7 @@ is documented there. The ticket itself arrives in each request's ``kv_transfer_p
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -24,9 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pdserve.worker.engines.vllm.lifetime import die_with_parent
 from pdserve.worker.engines.vllm.protocol import ConnectorSettings, PdserveConnectorMetadataFields
 from pdserve.worker.engines.vllm.scheduler_side import SchedulerSide
-from pdserve.worker.engines.vllm.worker_side import WorkerSide, die_with_parent
+from pdserve.worker.engines.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +52,9 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # The base class types the KV cache config as required; vLLM passes None where it has
+        # none yet, and the base class accepts that.
+        super().__init__(vllm_config, role, cast("KVCacheConfig", kv_cache_config))
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None
         settings = ConnectorSettings.from_extra_config(transfer_config.kv_connector_extra_config)

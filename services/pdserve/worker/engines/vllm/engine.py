@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
-from pdserve.worker.engines.vllm import runtime_check
+from pdserve.worker.engines.vllm import lifetime, runtime_check
 from pdserve.worker.engines.vllm.model_folders import ModelFolderInfo, check_model_folder
 from pdserve.worker.engines.vllm.protocol import ConnectorSettings, TicketParams, TicketRole
 
@@ -193,12 +193,17 @@ class VllmEngine:
                 raise UnavailableError(runtime_check.describe_broken(broken))
             for name, value in self.settings.environment.items():
                 os.environ.setdefault(name, value)
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
-
+            if self.settings.connector is None or self.settings.connector.die_with_parent:
+                lifetime.children_die_with_this_process()
             started_s = time.monotonic()
-            args = AsyncEngineArgs(**self._engine_kwargs())
-            self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
+            # Building the engine blocks for as long as vLLM loads (tens of seconds): off the
+            # event loop, which keeps heartbeating meanwhile (the worker is LOADING). vLLM starts
+            # its output handler lazily when built off a loop: start it here, on the loop, so
+            # that an engine that dies before any request is noticed.
+            self._engine = await asyncio.to_thread(self._build)
+            start_output_handler = getattr(self._engine, "_run_output_handler", None)
+            if callable(start_output_handler):
+                start_output_handler()
             cache_config = self._engine.vllm_config.cache_config
             self._capacity = KvCapacity(num_blocks=int(cache_config.num_gpu_blocks) - 1,
                                         block_size_tokens=int(cache_config.block_size))
@@ -213,6 +218,14 @@ class VllmEngine:
             raise
         self.state = EngineState.READY
         self._watcher = asyncio.create_task(self._watch(), name="vllm-engine-watch")
+
+    def _build(self) -> Any:
+        """Import vLLM and build the engine (seconds of imports, then the engine's load)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self._engine_kwargs())
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
     def _engine_kwargs(self) -> dict[str, Any]:
         settings = self.settings

@@ -9,7 +9,8 @@ machine: the channel is local by construction.
 
 Events: a handoff that landed (``RECEIVED``) or was pushed (``SENT``), with its checksum for the
 audit; one that failed on either side (``FAILED``), with the reason; and the receiver's running
-count of refused frames (``REJECTED``) whenever it grows.
+count of refused frames (``REJECTED``) whenever it grows; and, with the agent's rendezvous, where
+a ticket's prompt lands (``DESTINATION``), which the agent publishes at the coordinator.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class EventKind(enum.StrEnum):
     SENT = "sent"
     FAILED = "failed"
     REJECTED = "rejected"
+    DESTINATION = "destination"  # the decode side placed a ticket's prompt: publish it (agent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,8 @@ class ConnectorEvent:
     num_total_blocks: int = 0
     block_size_tokens: int = 0
     block_nbytes: int = 0
+    destination: str = ""
+    """``DESTINATION``: the ``KvDestination`` proto, base64."""
 
     def encode(self) -> bytes:
         entry = asdict(self)

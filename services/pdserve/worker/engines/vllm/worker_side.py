@@ -31,11 +31,8 @@ returned True) until the job has ended and vLLM has reported the request finishe
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import math
-import os
-import signal
 import threading
 import time
 import zlib
@@ -65,22 +62,6 @@ logger = logging.getLogger(__name__)
 
 _SETUP_TIMEOUT_S = 30.0
 _REJECTION_POLL_S = 0.25
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux). vLLM's EngineCore outlives a parent
-    killed with SIGKILL otherwise; its worker watches EngineCore, but this covers it too."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.warning("PR_SET_PDEATHSIG failed: errno %d", ctypes.get_errno())
-            return
-    except (OSError, AttributeError):
-        logger.warning("PR_SET_PDEATHSIG unavailable: engine processes may outlive the agent")
-        return
-    if os.getppid() == 1:  # the parent died before the call above
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---- vLLM's tensors as pdserve's KvCache -------------------------------------------------------
@@ -220,7 +201,7 @@ class WorkerSide:
     async def _setup(self) -> None:
         assert self.kv_cache is not None
         if self._exchange is None:
-            self._exchange = make_exchange(self._settings)
+            self._exchange = make_exchange(self._settings, self._events)
         if self._is_consumer:
             self._owner_table = BlockOwnerTable(self.kv_cache.layout.num_blocks)
             self._receiver = TcpKvReceiver(self.kv_cache, self._owner_table)
