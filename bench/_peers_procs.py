@@ -204,7 +204,7 @@ def start_pdserve_memory(work: Path) -> Started:
             "--speedup", "1e9", "--num-prefill", "1", "--num-decode", "1", "--log-level",
             "WARNING", "--local-prefill-threshold-tokens", "0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "services"), env.get("PYTHONPATH", "")])
+    env.setdefault("PYTHONPATH", str(ROOT / "services"))  # a caller's choice of code wins
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     assert process.stdout is not None
