@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from pdserve.common.runtime import setup_process, stop_on_signals
+from pdserve.common.runtime import install_fast_event_loop, setup_process, stop_on_signals
 from pdserve.common.service import Service
 from pdserve.common.settings import CommonSettings
 from pdserve.common.settings_fields import add_settings_arguments, settings_from_namespace
@@ -63,6 +63,7 @@ def settings_for(args: argparse.Namespace) -> CommonSettings:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_for(args)
+    install_fast_event_loop(os.environ.get("PDSERVE_UVLOOP", "1") not in ("0", "false", "no"))
     return asyncio.run(_serve(SERVICES[args.service], settings))
 
 

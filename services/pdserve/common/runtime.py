@@ -43,3 +43,17 @@ def stop_on_signals(stop: asyncio.Event) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+
+
+def install_fast_event_loop(is_enabled: bool = True) -> bool:
+    """Use uvloop's event loop for every ``asyncio.run`` of this process when it is installed
+    (an optional dependency; without it the standard loop stays). Call before the first loop
+    starts. True if uvloop is now the loop policy."""
+    if not is_enabled:
+        return False
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True

@@ -65,6 +65,10 @@ ADOPT_INTERVAL_S = 30.0
 """How often a writer looks for spools of dead processes to adopt."""
 MAX_BATCH = 500
 MAX_BACKOFF_S = 5.0
+BATCH_LINGER_S = 0.05
+"""After the first record of a batch, how long the writer collects more before it spools and
+writes them: one fsync and one INSERT for every record of those 50 ms instead of one per record
+(per request, for transfer statistics), which took a fifth of a coordinator's CPU under load."""
 
 
 # -- record codec -------------------------------------------------------------------------------
@@ -252,10 +256,12 @@ class DurableWriter:
     """
 
     def __init__(self, repository: Repository, spool: Spool | None = None,
-                 max_queue: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_queue: int = 100_000, clock: Callable[[], float] = time.monotonic,
+                 linger_s: float = BATCH_LINGER_S) -> None:
         self.repository = repository
         self.spool = spool
         self._clock = clock
+        self._linger_s = linger_s
         self._queue: queue.Queue[Any] = queue.Queue(max_queue)
         self._pending: collections.deque[tuple[RecordKind, Any]] = collections.deque()
         self._cond = threading.Condition()
@@ -396,6 +402,7 @@ class DurableWriter:
             item = self._queue.get(timeout=wait_s) if wait_s != 0.0 else self._queue.get_nowait()
         except queue.Empty:
             return items, None
+        linger_until = time.monotonic() + self._linger_s
         while True:
             if isinstance(item, tuple) and item and item[0] is _STOP:
                 stop = item[1]
@@ -403,8 +410,10 @@ class DurableWriter:
                 items.append(item)
             if len(items) >= MAX_BATCH * 4:
                 break
+            remaining_s = linger_until - time.monotonic() if stop is None else 0.0
             try:
-                item = self._queue.get_nowait()
+                item = (self._queue.get(timeout=remaining_s) if remaining_s > 0
+                        else self._queue.get_nowait())
             except queue.Empty:
                 break
         return items, stop

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +79,10 @@ def _is_behind(reported: TicketState, current: TicketState) -> bool:
     return _PROGRESS_ORDER.get(reported, 9) < _PROGRESS_ORDER.get(current, 0)
 
 
+async def _none() -> None:
+    return None
+
+
 class KvTransferCoordinator:
     def __init__(
         self,
@@ -115,7 +119,10 @@ class KvTransferCoordinator:
             raise InvalidArgumentError("decode_worker_id: required", field="decode_worker_id")
         if spec.num_blocks <= 0:
             raise InvalidArgumentError("num_blocks: must be > 0", field="num_blocks")
-        decode = await self._workers.get(spec.decode_worker_id)
+        # Both records in one round trip (two reads at once), then the ledger's one script.
+        decode, prefill = await asyncio.gather(
+            self._workers.get(spec.decode_worker_id),
+            self._workers.get(spec.prefill_worker_id) if spec.prefill_worker_id else _none())
         if decode is None:
             # Not (or no longer, or not yet again after a store restart) in the pool: callers
             # retry elsewhere or after the next heartbeat re-adopts it.
@@ -134,7 +141,6 @@ class KvTransferCoordinator:
         if decode.state is not WorkerState.READY:
             raise UnavailableError(f"decode worker {spec.decode_worker_id} is {decode.state}")
         if spec.prefill_worker_id:
-            prefill = await self._workers.get(spec.prefill_worker_id)
             if prefill is None:
                 raise UnavailableError(
                     f"prefill worker {spec.prefill_worker_id} is not in the pool"
@@ -149,8 +155,12 @@ class KvTransferCoordinator:
         return ticket
 
     async def update_progress(
-        self, token: FencingToken, state: TicketState, record: TransferRecord | None = None
+        self, token: FencingToken, state: TicketState,
+        record: TransferRecord | Callable[[Ticket], TransferRecord] | None = None,
     ) -> Ticket:
+        """Move the ticket forward (a repeated or late report changes nothing). On DONE its
+        blocks become held and ``record``, the transfer's statistics, is kept: a record, or a
+        function of the held ticket that makes it (so no read of the ticket comes first)."""
         current = await self._ledger.get(token)
         if state is current.state:
             ticket = current  # a repeated report (a retried call) changes nothing
@@ -160,6 +170,8 @@ class KvTransferCoordinator:
             ticket = await self._ledger.transition(token, state)
         if state is TicketState.DONE and not ticket.is_held:
             ticket = await self._ledger.mark_held(token)
+            if callable(record):
+                record = record(ticket)
             if record is not None:
                 metrics.observe_transfer(ticket.deployment, record.num_bytes, record.transfer_s,
                                          record.exposed_s)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.api.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.common.convert import (
@@ -15,11 +18,21 @@ from pdserve.common.convert import (
     token_from_pb,
 )
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
-from pdserve.common.types import TicketSpec, TicketState, TransferRecord
+from pdserve.common.types import Ticket, TicketSpec, TicketState, TransferRecord
 from pdserve.kv_transfer.coordinator import KvTransferCoordinator
 from pdserve.kv_transfer.rendezvous import Rendezvous
 
 SERVICE_NAME = "pdserve.api.v1.KvTransferService"
+
+
+def _transfer_record(stats: pb.TransferStats, ticket: Ticket) -> TransferRecord:
+    """The statistics a worker reported with DONE, for the ticket as it is once held."""
+    return TransferRecord(
+        ticket=ticket, num_bytes=stats.num_bytes,
+        prefill_compute_s=stats.prefill_compute_ms / 1000,
+        transfer_s=stats.transfer_ms / 1000, exposed_s=stats.exposed_ms / 1000,
+        outcome=TicketState.DONE,
+    )
 
 
 class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
@@ -54,18 +67,10 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
             raise InvalidArgumentError(
                 "state: progress moves to PREFILLING, TRANSFERRING or DONE (use AbortTicket)",
                 field="state")
-        record = None
+        record_of = None
         if state is TicketState.DONE and request.HasField("stats"):
-            stats = request.stats
-            current = await self._core.get(token.ticket_id)
-            if current is not None:
-                record = TransferRecord(
-                    ticket=current, num_bytes=stats.num_bytes,
-                    prefill_compute_s=stats.prefill_compute_ms / 1000,
-                    transfer_s=stats.transfer_ms / 1000, exposed_s=stats.exposed_ms / 1000,
-                    outcome=TicketState.DONE,
-                )
-        ticket = await self._core.update_progress(token, state, record)
+            record_of = functools.partial(_transfer_record, request.stats)
+        ticket = await self._core.update_progress(token, state, record_of)
         response = kv_pb.UpdateProgressResponse(ticket=ticket_to_pb(ticket, self._now()))
         if request.HasField("stats"):
             response.ticket.stats.CopyFrom(request.stats)
@@ -118,8 +123,8 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
         self, request: kv_pb.ReleaseTicketRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.ReleaseTicketResponse:
         token = token_from_pb(request.token)
-        ticket = await self._core.release(token)
-        await self._rendezvous.forget(token)
+        ticket, _ = await asyncio.gather(self._core.release(token),
+                                         self._rendezvous.forget(token))
         return kv_pb.ReleaseTicketResponse(ticket=ticket_to_pb(ticket, self._now()))
 
     async def GetTicket(

@@ -28,7 +28,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,6 @@ from pdserve.api.v1 import worker_pb2
 from pdserve.common.convert import token_to_pb
 from pdserve.common.errors import (
     CapacityError,
-    DeadlineError,
     InvalidArgumentError,
     NotFoundError,
     PdserveError,
@@ -50,6 +49,7 @@ from pdserve.common.tokenizer import prefix_block_hashes
 from pdserve.common.types import FencingToken, TicketSpec, WorkerRole
 from pdserve.router.admission import AdmissionConfig, AdmissionPolicy, AdmissionRequest
 from pdserve.router.clients import TicketClient, WorkerClients, iterate_stream
+from pdserve.router.decode_stream import next_or_prefill_failure
 from pdserve.router.in_flight import InFlightLedger
 from pdserve.router.metrics import REFUSALS
 from pdserve.router.policy import (
@@ -188,25 +188,33 @@ class Router:
         attempts = 0
         is_local = False
         exposed_s = 0.0
+        # The span is current only while this generator runs its own code, never across a
+        # yield: the caller may close the generator from another context (an HTTP handler's
+        # cancellation, the loop's async-generator finalizer), where detaching a context token
+        # attached here would fail ("Failed to detach context").
+        span = tracer.start_span("router.generate", attributes={
+            "pdserve.request_id": request_id, "pdserve.model": request.model,
+            "pdserve.num_prompt_tokens": len(request.prompt_token_ids)})
+        attempts_stream = self._attempts(request, request_id)
         try:
-            with tracer.start_as_current_span("router.generate") as span:
-                span.set_attribute("pdserve.request_id", request_id)
-                span.set_attribute("pdserve.model", request.model)
-                span.set_attribute("pdserve.num_prompt_tokens", len(request.prompt_token_ids))
-                async for chunk, attempt_info in self._attempts(request, request_id):
-                    attempts, is_local, exposed_s = attempt_info
-                    if chunk.token_ids and first_token_at is None:
-                        first_token_at = time.perf_counter()
-                    num_output += len(chunk.token_ids)
-                    if request_id in self._cancelled:
-                        yield self._final(request, num_output, started, first_token_at,
-                                          FinishReason.CANCELLED, attempts, is_local)
-                        return
-                    if chunk.finish_reason is not None:
-                        yield self._final(request, num_output, started, first_token_at,
-                                          chunk.finish_reason, attempts, is_local, chunk)
-                        return
-                    yield chunk
+            while True:
+                with trace.use_span(span):
+                    item = await anext(attempts_stream, None)
+                if item is None:
+                    return
+                chunk, (attempts, is_local, exposed_s) = item
+                if chunk.token_ids and first_token_at is None:
+                    first_token_at = time.perf_counter()
+                num_output += len(chunk.token_ids)
+                if request_id in self._cancelled:
+                    yield self._final(request, num_output, started, first_token_at,
+                                      FinishReason.CANCELLED, attempts, is_local)
+                    return
+                if chunk.finish_reason is not None:
+                    yield self._final(request, num_output, started, first_token_at,
+                                      chunk.finish_reason, attempts, is_local, chunk)
+                    return
+                yield chunk
         except PdserveError as exc:
             outcome_error = exc.code.name
             raise
@@ -214,11 +222,15 @@ class Router:
             outcome_error = "CANCELLED"
             raise
         finally:
-            self.admission.finish(request_id)
-            self._tasks.pop(request_id, None)
-            self._cancelled.discard(request_id)
-            self._record(request, request_id, started, first_token_at, num_output, attempts,
-                         is_local, outcome_error, exposed_s)
+            try:
+                with trace.use_span(span, end_on_exit=True):
+                    await attempts_stream.aclose()  # its clean-up (aborts) runs under the span
+            finally:
+                self.admission.finish(request_id)
+                self._tasks.pop(request_id, None)
+                self._cancelled.discard(request_id)
+                self._record(request, request_id, started, first_token_at, num_output,
+                             attempts, is_local, outcome_error, exposed_s)
 
     def _validate(self, request: GenerationRequest) -> None:
         if not request.model:
@@ -254,7 +266,7 @@ class Router:
 
     async def _attempts(
         self, request: GenerationRequest, request_id: str
-    ) -> AsyncIterator[tuple[GenerationChunk, tuple[int, bool, float]]]:
+    ) -> AsyncGenerator[tuple[GenerationChunk, tuple[int, bool, float]], None]:
         excluded: set[str] = set()
         last_error: PdserveError | None = None
         is_backoff = False
@@ -469,7 +481,7 @@ class Router:
         config = self.config
         idle_s = config.stream_idle_timeout_s + (config.kv_wait_timeout_s if is_first else 0.0)
         try:
-            return await _next_or_prefill_failure(stream, prefill_task, idle_s)
+            return await next_or_prefill_failure(stream, prefill_task, idle_s)
         except PdserveError as exc:
             if not is_first:
                 raise
@@ -534,54 +546,3 @@ def _latencies_s(started: float, first_token_at: float | None,
     if not first_token_at:
         return now - started, 0.0
     return first_token_at - started, (now - first_token_at) / max(1, num_output - 1)
-
-
-# -- reading a decode stream while its prefill runs ---------------------------------------------
-
-
-async def _next_or_prefill_failure(
-    stream: AsyncIterator[worker_pb2.DecodeResponse],
-    prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
-    idle_timeout_s: float,
-) -> worker_pb2.DecodeResponse | None:
-    """The next decode message; if prefill fails first, its error (the decode side would only
-    time out). ``DeadlineError`` if nothing comes within ``idle_timeout_s``."""
-    try:
-        return await asyncio.wait_for(_next_message(stream, prefill_task), idle_timeout_s)
-    except TimeoutError:
-        raise DeadlineError(f"no decode message within {idle_timeout_s:.1f}s") from None
-
-
-async def _next_message(
-    stream: AsyncIterator[worker_pb2.DecodeResponse],
-    prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
-) -> worker_pb2.DecodeResponse | None:
-    next_message = asyncio.ensure_future(anext(stream, None))
-    try:
-        return await _first_of(next_message, prefill_task)
-    except asyncio.CancelledError:
-        next_message.cancel()  # timed out or cancelled: do not leave the read behind
-        raise
-
-
-async def _first_of(
-    next_message: asyncio.Future[worker_pb2.DecodeResponse | None],
-    prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None,
-) -> worker_pb2.DecodeResponse | None:
-    if prefill_task is None or prefill_task.done():
-        error = prefill_task.exception() if prefill_task is not None else None
-        if error is not None:
-            next_message.cancel()
-            raise error
-        return await next_message
-    waited: set[asyncio.Future[Any]] = {next_message, prefill_task}
-    done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
-    if next_message in done:
-        return next_message.result()
-    error = prefill_task.exception()
-    if error is None:
-        return await next_message
-    next_message.cancel()
-    with contextlib.suppress(BaseException):
-        await next_message
-    raise error

@@ -77,6 +77,12 @@ class LuaScripts:
             {name: client.register_script(lib + "\n" + _lua(f"{name}.lua")) for name in self._PLAIN}
         )
 
+    def queue(self, pipe: Any, name: str, keys: Sequence[str], args: Sequence[Any]) -> None:
+        """Queue the script on a pipeline by its digest alone (no SCRIPT EXISTS round trip);
+        its reply is ``NoScriptError`` when the server does not have it (restarted): run it
+        then with ``__call__``, which loads it."""
+        pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+
     async def __call__(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
         reply: list[Any] = await self._scripts[name](keys=list(keys), args=list(args))
         return reply

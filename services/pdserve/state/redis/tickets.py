@@ -58,6 +58,10 @@ MAX_SCRIPT_RACES = 8
 BACKSTOP_MARGIN_S = 60.0
 """Redis-clock expiry of a retired ticket, beyond its clock-based retention."""
 
+MAX_CACHED_OWNERS = 65_536
+"""Ticket id -> decode worker entries this replica remembers (a ticket's worker never changes),
+so the scripts of tickets it has seen skip reading the id index first."""
+
 
 def _ticket_from_fields(fields: dict[str, str]) -> Ticket:
     return Ticket(
@@ -115,6 +119,22 @@ class RedisTicketLedger:
         self._keys = keys
         self._clock = clock
         self._options = options
+        self._owners: dict[str, str] = {}
+        """Ticket id -> its decode worker, for tickets this replica opened or read (bounded)."""
+
+    def _remember_owner(self, ticket_id: str, worker_id: str) -> None:
+        owners = self._owners
+        if len(owners) >= MAX_CACHED_OWNERS:
+            del owners[next(iter(owners))]  # oldest first: dicts keep insertion order
+        owners[ticket_id] = worker_id
+
+    async def _owner_of(self, ticket_id: str) -> str | None:
+        worker_id = self._owners.get(ticket_id)
+        if worker_id is None:
+            worker_id = text_or_none(await self._client.get(self._keys.ticket_owner(ticket_id)))
+            if worker_id is not None:
+                self._remember_owner(ticket_id, worker_id)
+        return worker_id
 
     @property
     def _backstop_ms(self) -> int:
@@ -165,28 +185,38 @@ class RedisTicketLedger:
         deadline = redis_time(now + lease_s) if math.isfinite(lease_s) else "0"
         token = FencingToken.new()
         owner_key = self._keys.ticket_owner(token.ticket_id)
+        keys = self._ticket_keys(worker_id, [token.ticket_id])
+        args = [token.ticket_id, token.attempt, redis_time(now), deadline,
+                _script_arg(spec.num_blocks), _script_arg(lease_s), spec.deployment,
+                worker_id, spec.prefill_worker_id, spec.request_id,
+                _script_arg(spec.num_prompt_tokens)]
+        # One round trip: the id index, the worker set and the script that creates the ticket
+        # and reserves its blocks (atomic on its own, over the worker's hash-tagged keys).
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.set(owner_key, worker_id, px=to_ms(self._options.ticket_index_ttl_s), nx=True)
             pipe.sadd(self._keys.ticket_workers(), worker_id)
-            is_new, _ = await pipe.execute()
-        if not is_new:  # a UUID4 collision; never reuse an id
-            raise AlreadyExistsError(f"ticket {token.ticket_id} exists", field="ticket_id")
+            self._scripts.queue(pipe, "open", keys, args)
+            is_new, _, reply = await pipe.execute(raise_on_error=False)
         try:
-            reply = unwrap_reply(
-                await self._scripts(
-                    "open",
-                    self._ticket_keys(worker_id, [token.ticket_id]),
-                    [token.ticket_id, token.attempt, redis_time(now), deadline,
-                     _script_arg(spec.num_blocks), _script_arg(lease_s), spec.deployment,
-                     worker_id, spec.prefill_worker_id, spec.request_id,
-                     _script_arg(spec.num_prompt_tokens)],
-                )
-            )
+            if isinstance(reply, redis_errors.NoScriptError):  # a restarted or flushed Redis
+                reply = await self._scripts("open", keys, args)
+            elif isinstance(reply, BaseException):
+                raise reply
+            fields = unwrap_reply(reply)
         except BaseException:
-            with contextlib.suppress(redis_errors.RedisError):
-                await self._client.delete(owner_key)
+            if is_new is True:
+                with contextlib.suppress(redis_errors.RedisError):
+                    await self._client.delete(owner_key)
             raise
-        return _ticket_from_fields(pairs(reply))
+        if is_new is not True:  # a UUID4 collision (or the index write failed): never reuse it
+            await self._scripts("release", [*keys], [
+                token.ticket_id, token.attempt, redis_time(now), self._purge_time(now),
+                self._backstop_ms, REASON_RELEASED])
+            if isinstance(is_new, BaseException):
+                raise is_new
+            raise AlreadyExistsError(f"ticket {token.ticket_id} exists", field="ticket_id")
+        self._remember_owner(token.ticket_id, worker_id)
+        return _ticket_from_fields(pairs(fields))
 
     @store_call
     async def get(self, token: FencingToken) -> Ticket:
@@ -202,7 +232,7 @@ class RedisTicketLedger:
 
     @store_call
     async def find(self, ticket_id: str) -> Ticket | None:
-        worker_id = text_or_none(await self._client.get(self._keys.ticket_owner(ticket_id)))
+        worker_id = await self._owner_of(ticket_id)
         if worker_id is None:
             return None
         fields = text_map(await self._client.hgetall(self._keys.ticket(worker_id, ticket_id)))
@@ -350,7 +380,7 @@ class RedisTicketLedger:
     # -- internals --------------------------------------------------------------------------
 
     async def _token_script(self, name: str, token: FencingToken, args: list[Any]) -> Ticket:
-        worker_id = text_or_none(await self._client.get(self._keys.ticket_owner(token.ticket_id)))
+        worker_id = await self._owner_of(token.ticket_id)
         if worker_id is None:
             raise StaleTokenError(f"unknown ticket {token.ticket_id}")
         keys = [*self._keys.ledger_keys(worker_id), self._keys.ticket(worker_id, token.ticket_id)]
