@@ -7,12 +7,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 from e2e.conftest import ServiceProcess
 from helpers.vllm_env import ENGINE_ENVIRONMENT
 
+from pdserve.api.v1 import router_pb2, router_pb2_grpc
+
 pytestmark = pytest.mark.timeout(600)
+
+MAX_MODEL_LEN = 2048
 
 QUESTIONS = [
     ("What is the capital of France? Answer in one short sentence.", ("Paris",)),
@@ -25,7 +30,7 @@ def up(smollm2_dir: Path, processes: list[ServiceProcess]) -> Iterator[ServicePr
     process = ServiceProcess("pdserve-up", [
         "up", "--engine", "vllm", "--model-path", str(smollm2_dir), "--grpc-port", "0",
         "--http-port", "0", "--local-prefill-threshold-tokens", "0",
-        "--vllm-max-model-len", "2048", "--vllm-kv-cache-gib", "0.5",
+        "--vllm-max-model-len", str(MAX_MODEL_LEN), "--vllm-kv-cache-gib", "0.5",
         "--is-shedding-enabled", "false"], ENGINE_ENVIRONMENT)
     processes.append(process.start())
     process.wait_for_line(lambda line: line.startswith("ready model"), 400.0, "a ready stack")
@@ -36,9 +41,28 @@ def _client(up: ServiceProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{up.http_url}/v1", api_key="unused", timeout=120)
 
 
-def test_the_model_is_listed_under_its_folders_name(up: ServiceProcess,
-                                                    smollm2_dir: Path) -> None:
+def test_the_model_is_listed_under_its_folders_name_with_vllms_context(
+        up: ServiceProcess, smollm2_dir: Path) -> None:
     assert [m.id for m in _client(up).models.list()] == [smollm2_dir.name]
+    with grpc.insecure_channel(up.grpc_address) as channel:
+        (card,) = router_pb2_grpc.RouterServiceStub(channel).ListModels(
+            router_pb2.ListModelsRequest(), timeout=5).models
+    # vLLM sized the KV cache itself (no block count given): the router learns the engine's
+    # context once it has loaded, not an estimate made before.
+    assert card.max_context_tokens == MAX_MODEL_LEN
+
+
+def test_a_long_prompt_is_served_and_one_past_the_context_refused(
+        up: ServiceProcess, smollm2_dir: Path) -> None:
+    client = _client(up)
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 80)  # ~800 tokens
+    reply = client.completions.create(model=smollm2_dir.name, prompt=long_prompt,
+                                      temperature=0, max_tokens=8)
+    assert reply.usage is not None and reply.usage.prompt_tokens > 700
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=smollm2_dir.name, prompt=long_prompt * 3,
+                                  temperature=0, max_tokens=8)
+    assert "prompt" in str(refused.value)
 
 
 @pytest.mark.parametrize(("question", "answers"), QUESTIONS)

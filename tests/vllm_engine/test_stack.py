@@ -226,9 +226,10 @@ async def test_workers_load_then_report_vllms_capacity(vllm_stack: VllmStack) ->
         assert info.engine == "vllm" and info.state == pb.WORKER_STATE_READY
         assert info.kv_layout.block_size_tokens == BLOCK_SIZE
         assert info.kv_layout.num_layers == 4
-        # vLLM's own numbers: it keeps one of its blocks as the null block.
-        assert info.load.num_total_blocks == NUM_BLOCKS - 1
-        assert info.max_model_len == MAX_MODEL_LEN or info.max_model_len > 0
+        # vLLM's own numbers (it keeps one of its blocks as the null block), registered again
+        # once it had loaded: layout, capacity and context limit are the engine's.
+        assert info.load.num_total_blocks == info.kv_layout.num_blocks == NUM_BLOCKS - 1
+        assert info.max_model_len == MAX_MODEL_LEN  # vLLM's, below the model's 512+
 
 
 async def test_handoff_is_token_exact_and_checksummed(vllm_stack: VllmStack) -> None:

@@ -151,8 +151,16 @@ class WorkerProcess:
             kv_transports=[self.settings.transport],
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
             tokenizer_sha256=self.tokenizer.sha256 if self.tokenizer else "",
-            max_model_len=self.tokenizer.max_model_len if self.tokenizer else 0,
+            max_model_len=self.max_model_len(),
         )
+
+    def max_model_len(self) -> int:
+        """The context limit routers enforce: the engine's own when it has one (vLLM's, which
+        ``vllm_max_model_len`` may set below the model's), else the tokenizer's; 0 = none."""
+        limit = getattr(self.agent.runtime, "max_model_len", None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+        return self.tokenizer.max_model_len if self.tokenizer else 0
 
     @property
     def engine_name(self) -> str:
@@ -234,6 +242,15 @@ class WorkerProcess:
             if (self.agent.state is WorkerState.LOADING and loop.time() >= ready_at
                     and is_engine_ready):
                 self.agent.state = WorkerState.READY
+                if readiness is not None:
+                    # The engine sized its KV cache and context as it loaded: registering
+                    # again puts its own layout and limit in the pool's record (the first
+                    # registration could only estimate them).
+                    try:
+                        await self.pool.register(self.describe(), self.settings.cold_start_s,
+                                                 self.tokenizer_pb())
+                    except PdserveError as exc:
+                        logger.warning("could not refresh the registration: %s", exc.message)
                 logger.info("worker %s ready", self.agent.config.worker_id)
                 if on_ready is not None:
                     on_ready(self)

@@ -338,6 +338,13 @@ class VllmEngine:
     def load(self) -> EngineLoad:
         return self._stats.load
 
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's context limit, prompt and output together."""
+        if self._engine is None:
+            raise UnavailableError("vllm engine not started")
+        return int(self._engine.model_config.max_model_len)
+
     def prompt_tokens_by_source(self) -> dict[str, int]:
         """Prompt tokens since start by where their KV came from (vLLM's own accounting)."""
         return dict(self._stats.prompt_tokens_by_source)

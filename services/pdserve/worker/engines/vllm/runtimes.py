@@ -127,6 +127,7 @@ class _VllmRuntime:
         self._events_path = str(Path(self._scratch.name) / "events.sock")
         self._listener = EventListener(self._events_path, self._on_event)
         self._layout = expected_layout(settings.engine)
+        self._model_max_len = check_model_folder(settings.engine.model_path).max_position_embeddings
         self.engine: VllmEngine | None = None
         self._loading: asyncio.Task[None] | None = None
         self._checksums: collections.deque[KvChecksum] = collections.deque(maxlen=_HISTORY)
@@ -156,6 +157,14 @@ class _VllmRuntime:
     @property
     def expert_engine(self) -> ExpertParallelEngine | None:
         return None
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's context limit (prompt and output) once loaded; the settings' or the model's
+        until then."""
+        if self.engine is not None and self.engine.state is EngineState.READY:
+            return self.engine.max_model_len
+        return self.settings.engine.max_model_len or self._model_max_len
 
     def prompt_tokens_by_source(self) -> dict[str, int]:
         """vLLM's own count of prompt tokens by source (computed, cached, transferred)."""
