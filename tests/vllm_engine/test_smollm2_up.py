@@ -30,7 +30,7 @@ def up(smollm2_dir: Path, processes: list[ServiceProcess]) -> Iterator[ServicePr
     process = ServiceProcess("pdserve-up", [
         "up", "--engine", "vllm", "--model-path", str(smollm2_dir), "--grpc-port", "0",
         "--http-port", "0", "--local-prefill-threshold-tokens", "0",
-        "--vllm-max-model-len", str(MAX_MODEL_LEN), "--vllm-kv-cache-gib", "0.5",
+        "--vllm-max-model-len", str(MAX_MODEL_LEN), "--vllm-kv-cache-gib", "1",
         "--is-shedding-enabled", "false"], ENGINE_ENVIRONMENT)
     processes.append(process.start())
     process.wait_for_line(lambda line: line.startswith("ready model"), 400.0, "a ready stack")

@@ -77,8 +77,8 @@ class UpSettings(CommonSettings):
     vllm_block_size_tokens: int = setting(
         0, parser=int_range(0, 1024),
         help="vllm engine: tokens per KV block (0 = vLLM's default).")
-    vllm_kv_cache_gib: float = setting(
-        1.0, parser=float_range(0.0625, 4096.0),
+    vllm_kv_cache_gib: int = setting(
+        1, parser=int_range(1, 4096),
         help="vllm engine, CPU build: GiB of KV cache per worker.")
     join_token: str = setting(
         "", help="Worker join token; empty = a fresh random one.", is_secret=True

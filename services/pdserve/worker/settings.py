@@ -62,8 +62,8 @@ class WorkerSettings(CommonSettings):
     vllm_block_size_tokens: int = setting(
         0, parser=int_range(0, 1024),
         help="vllm engine: tokens per KV block (0 = vLLM's default: 128 on CPU, 16 on GPUs).")
-    vllm_kv_cache_gib: float = setting(
-        1.0, parser=float_range(0.0625, 4096.0),
+    vllm_kv_cache_gib: int = setting(
+        1, parser=int_range(1, 4096),
         help="vllm engine, CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, unless set).")
     vllm_max_num_seqs: int = setting(
         64, parser=int_range(1, 100_000),

@@ -35,7 +35,7 @@ def engine_environment(settings: WorkerSettings) -> dict[str, str]:
     kernel spreads them. Operators who place engines on cores set the variable themselves."""
     return {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_KVCACHE_SPACE": f"{settings.vllm_kv_cache_gib:g}",
+        "VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_kv_cache_gib),  # whole GiB (vLLM parses an int)
         "VLLM_NO_USAGE_STATS": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
