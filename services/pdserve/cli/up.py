@@ -359,11 +359,14 @@ async def _up(settings: UpSettings) -> int:
                 pass
         await stop.wait()
     finally:
+        # Pools first: their loops stop before anything else does (with the server gone they
+        # would count the workers' missed heartbeats as failures and start new workers), and
+        # their workers leave through the server while it still answers.
+        for pool in pools.values():
+            await pool.close()
         await server.stop(2.0)
         await router.close()
         await governor.close()
-        for pool in pools.values():
-            await pool.close()
         await coordinator.close()
         await stores.close()
         if durable is not None:
