@@ -12,6 +12,7 @@ import openai
 import pytest
 from e2e.conftest import ServiceProcess
 from helpers.vllm_env import ENGINE_ENVIRONMENT
+from openai.types.chat import ChatCompletionMessageParam
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
 
@@ -71,15 +72,15 @@ def test_factual_questions_at_temperature_0_streamed_and_not(
     from transformers import AutoTokenizer
 
     client = _client(up)
-    messages = [{"role": "user", "content": question}]
-    whole = client.chat.completions.create(model=smollm2_dir.name, messages=messages,  # type: ignore[arg-type]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": question}]
+    whole = client.chat.completions.create(model=smollm2_dir.name, messages=messages,
                                            temperature=0, max_tokens=40)
     text = whole.choices[0].message.content or ""
     assert any(answer in text for answer in answers), text
     streamed = "".join(
         chunk.choices[0].delta.content or ""
         for chunk in client.chat.completions.create(
-            model=smollm2_dir.name, messages=messages, temperature=0, max_tokens=40,  # type: ignore[arg-type]
+            model=smollm2_dir.name, messages=messages, temperature=0, max_tokens=40,
             stream=True) if chunk.choices)
     assert streamed == text
 

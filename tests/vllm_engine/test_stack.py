@@ -15,9 +15,10 @@ import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -41,6 +42,9 @@ from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
 from pdserve.worker.transports.tcp.sender import TcpKvSender
 from pdserve.worker.transports.values import KvDestinationSpec, TransferFailedError
+
+if TYPE_CHECKING:
+    from pdserve.worker.engines.vllm.engine import VllmEngine
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
@@ -101,12 +105,12 @@ class VllmStack:
                 worker_pb2.GetStatusRequest(), timeout=10)
 
 
-async def _colocated(engine: object, name: str, prompt: list[int]) -> list[int]:
+async def _colocated(engine: VllmEngine, name: str, prompt: list[int]) -> list[int]:
     from pdserve.worker.engines.vllm.engine import GenerationParams
 
     tokens: list[int] = []
     params = GenerationParams(max_tokens=NUM_GENERATED, ignore_eos=True)
-    async for delta in engine.generate(f"ref-{name}", prompt, params):  # type: ignore[attr-defined]
+    async for delta in engine.generate(f"ref-{name}", prompt, params):
         tokens.extend(delta.token_ids)
     return tokens
 
@@ -196,10 +200,11 @@ async def _generate(stack: VllmStack, prompt: list[int], max_tokens: int = NUM_G
     return Reply(tokens, final)
 
 
-async def _wait_for(predicate: object, timeout_s: float = 30.0, what: str = "") -> None:
+async def _wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 30.0,
+                    what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        if await predicate():  # type: ignore[operator]
+        if await predicate():
             return
         assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
         await asyncio.sleep(0.2)
