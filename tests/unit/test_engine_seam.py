@@ -109,16 +109,18 @@ class SelfSchedulingDecode(_Runtime):
 class QueueingPrefill(_Runtime):
     """Holds each prompt QUEUED until ``go`` is set, then computes it at once."""
 
-    takes_late_destinations = False
+    takes_late_destinations: bool = False
 
     def __init__(self) -> None:
         super().__init__()
         self.go = asyncio.Event()
+        self.tickets: list[PrefillTicket] = []
 
     async def start(self, transport: TransportBackend) -> None:
         return None
 
     async def prefill(self, ticket: PrefillTicket) -> PrefillResult:
+        self.tickets.append(ticket)
         await self.go.wait()
         ticket.phase = PrefillPhase.PREFILLING
         await asyncio.sleep(0.05)
@@ -255,3 +257,24 @@ async def test_each_agent_refuses_the_other_roles_calls() -> None:
     with pytest.raises(InvalidArgumentError, match="cannot serve as a decode worker"):
         PrefillAgent(AgentConfig("d2", "m", WorkerRole.DECODE), QueueingPrefill(),
                      get_backend("tcp"))
+
+
+async def test_a_prefill_without_destination_needs_a_runtime_that_takes_late_ones() -> None:
+    """No destination = the decode engine publishes it at the rendezvous later (vLLM): a runtime
+    that picks nothing up from there refuses such a ticket, naming the field; one that does gets
+    the ticket with no destination and the agent leaves the block count to it."""
+    runtime = QueueingPrefill()
+    agent = PrefillAgent(AgentConfig("p1", "m", WorkerRole.PREFILL, transport="tcp"), runtime,
+                         get_backend("tcp"))
+    await agent.start()
+    agent.state = WorkerState.READY
+    with pytest.raises(InvalidArgumentError) as refused:
+        await agent.prefill(FencingToken.new(), list(range(40)), None, lease_s=2.5)
+    assert refused.value.field == "destination"
+    runtime.takes_late_destinations = True
+    runtime.go.set()
+    token = FencingToken.new()
+    result = await agent.prefill(token, list(range(40)), None, lease_s=2.5)
+    assert result.first_token_id == 7
+    assert runtime.tickets[-1].destination is None
+    await agent.close()
