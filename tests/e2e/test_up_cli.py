@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -96,3 +97,23 @@ def test_sigterm_stops_the_stack_and_its_workers(stack: ServiceProcess) -> None:
         host, port = address.rsplit(":", 1)
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((host, int(port)), timeout=2.0).close()
+
+
+@pytest.mark.parametrize("command", [
+    ["up", "--engine", "vllm", "--grpc-port", "0", "--http-port", "-1"],
+    ["serve", "worker", "--engine", "vllm", "--role", "decode", "--pool-address",
+     "127.0.0.1:1", "--coordinator-address", "127.0.0.1:1"],
+])
+@pytest.mark.parametrize("folder", ["missing", "broken"])
+def test_a_bad_model_folder_is_one_error_naming_it(command: list[str], folder: str,
+                                                   tmp_path: Path) -> None:
+    """Before anything starts (no vLLM needed to say so)."""
+    path = tmp_path / folder
+    if folder == "broken":
+        path.mkdir()
+        (path / "config.json").write_text("{not json")
+    result = run_cli([*command, "--model-path", str(path)], {"PDSERVE_JOIN_TOKEN": "t" * 32})
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert f"model path {path}" in line
+

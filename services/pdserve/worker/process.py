@@ -97,6 +97,11 @@ def kv_backend(settings: WorkerSettings) -> TransportBackend:
 class WorkerProcess:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
+        if settings.engine == "vllm":
+            from pdserve.worker.engines.vllm.model_folders import check_model_folder
+
+            assert settings.model_path is not None  # WorkerSettings.check
+            check_model_folder(settings.model_path)  # one error naming model_path, first
         tokenizer_path = settings.tokenizer_path or (
             settings.model_path if settings.engine == "vllm" else None)
         self.tokenizer = bundle_from_folder(tokenizer_path) if tokenizer_path else None
