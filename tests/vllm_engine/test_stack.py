@@ -308,10 +308,12 @@ async def _open_ticket(stack: VllmStack) -> kv_transfer_pb2.Ticket:
     target, options = channel_target(stack.stack.coordinator_address)
     async with grpc.aio.insecure_channel(target, options=options) as channel:
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
+        live = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
         while True:
-            tickets = (await stub.ListTickets(kv_transfer_pb2.ListTicketsRequest(
-                decode_worker_id=stack.worker("decode").worker_id, state=pb.TICKET_STATE_OPEN),
-                timeout=5)).tickets
+            # Any live ticket: the prefill worker may already have reported PREFILLING.
+            tickets = [t for t in (await stub.ListTickets(kv_transfer_pb2.ListTicketsRequest(
+                decode_worker_id=stack.worker("decode").worker_id), timeout=5)).tickets
+                if t.state in live]
             if tickets:
                 return tickets[0]
             await asyncio.sleep(0.05)

@@ -20,6 +20,7 @@ decisions by their natural key with the time they were made (``skip_if_recorded`
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import dataclasses
@@ -555,6 +556,13 @@ class TransferSinkAdapter:
 
     def record(self, record: TransferRecord) -> None:
         self._writer.record_transfer(record)
+
+    async def spooled(self, timeout_s: float = 2.0) -> None:
+        """Until the records so far are in the spool (or written): the coordinator acknowledges
+        a DONE only then, so a SIGKILL right after loses no statistics it acknowledged. Off the
+        token path (workers report DONE in the background); a writer that cannot keep up
+        delays the acknowledgement by ``timeout_s`` at most."""
+        await asyncio.to_thread(self._writer.wait_spooled, timeout_s)
 
 
 class WindowWriterAdapter:

@@ -177,6 +177,11 @@ class KvTransferCoordinator:
                                          record.exposed_s)
                 if self._stats_sink is not None:
                     self._stats_sink.record(record)
+                    # A durable sink says when the record is safe (the spool): DONE is
+                    # acknowledged after that, never before.
+                    spooled = getattr(self._stats_sink, "spooled", None)
+                    if spooled is not None:
+                        await spooled()
         self._publish(ticket)
         return ticket
 

@@ -317,7 +317,8 @@ class VllmPrefillRuntime(_VllmRuntime):
 
     _ticket_role = TicketRole.PREFILL
     takes_late_destinations = True
-    """A prefill may come without a destination: the connector waits for it at the rendezvous."""
+    """A prefill may come without a destination: this runtime awaits it at the coordinator's
+    rendezvous (where the decode worker's agent publishes it) before it submits the prompt."""
 
     async def start(self, transport: TransportBackend) -> None:
         if transport.name != "tcp":
@@ -334,23 +335,22 @@ class VllmPrefillRuntime(_VllmRuntime):
         landed = self._expect(token)
         is_alone = len(self._request_ids) == 1
         started_s = time.perf_counter()
-        destination = ticket.destination
-        if destination is None:  # the decode engine publishes it once it has placed the prompt
-            destination = await self._exchange.wait(token, self.settings.handoff_timeout_s)
-            if destination is None:
-                self._forget(token)
-                raise DeadlineError(f"{key}: no destination within "
-                                    f"{self.settings.handoff_timeout_s} s (the decode side did "
-                                    "not place the prompt, or the ticket ended)")
-        params = TicketParams(TicketRole.PREFILL, token, self.settings.handoff_timeout_s,
-                              destination)
         first_token_id = -1
         num_cached = 0
         is_done = False
-        # vLLM does not say when a request leaves its own queue: from here the prompt counts as
-        # computing, and its lease is the router's to size (no renewals while vLLM queues it).
-        ticket.phase = PrefillPhase.PREFILLING
         try:
+            destination = ticket.destination
+            if destination is None:  # the decode engine publishes it once it placed the prompt
+                destination = await self._exchange.wait(token, self.settings.handoff_timeout_s)
+                if destination is None:
+                    raise DeadlineError(f"{key}: no destination within "
+                                        f"{self.settings.handoff_timeout_s} s (the decode side "
+                                        "did not place the prompt, or the ticket ended)")
+            params = TicketParams(TicketRole.PREFILL, token, self.settings.handoff_timeout_s,
+                                  destination)
+            # vLLM does not say when a request leaves its own queue: from here the prompt counts
+            # as computing, and its lease is the router's to size (no renewals while it queues).
+            ticket.phase = PrefillPhase.PREFILLING
             async for delta in engine.generate(request_id, ticket.prompt_token_ids,
                                                GenerationParams(max_tokens=1), params):
                 if delta.token_ids:
