@@ -146,10 +146,16 @@ class Peer:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def reply(self) -> tuple[control.Kind, bytes]:
-        """The next reply, driving this agent's progress while waiting (as a sender must)."""
+    async def reply(self, timeout_s: float = 30.0) -> tuple[control.Kind, bytes]:
+        """The next reply, driving this agent's progress while waiting (as a sender must).
+
+        A receiver that sends none within ``timeout_s`` fails the test rather than hanging it."""
         read = asyncio.ensure_future(control.read_message(self.reader, 1 << 16))
+        deadline = asyncio.get_running_loop().time() + timeout_s
         while not read.done():
+            if asyncio.get_running_loop().time() > deadline:
+                read.cancel()
+                pytest.fail(f"the receiver sent no reply within {timeout_s:.0f} s")
             self.agent.progress()
             await asyncio.sleep(0.001)
         message = read.result()
@@ -160,6 +166,19 @@ class Peer:
         self.writer.close()
         with contextlib.suppress(ConnectionError):
             await self.writer.wait_closed()
+
+
+def _blocks_outside(cache: KvCache, count: int) -> int:
+    """The first block id past layer 0's end whose ``count`` blocks overlap no layer's buffer."""
+    base = cache.layer_buffers[0].ctypes.data
+    regions = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in cache.layer_buffers]
+    block = LAYOUT.num_blocks
+    while True:
+        start = base + block * LAYOUT.block_nbytes
+        end = start + count * LAYOUT.block_nbytes
+        if all(end <= lo or start >= hi for lo, hi in regions):
+            return block
+        block += 1
 
 
 class Rig:
@@ -214,11 +233,15 @@ async def test_layer_for_a_ticket_not_introduced_on_the_connection_fails_nothing
 async def test_source_outside_the_senders_registered_memory_is_refused(rig: Rig) -> None:
     token = rig.ticket([3, 4])
     before = rig.snapshot([3, 4])
+    first = _blocks_outside(rig.cache_a, count=2)
     peer = await Peer.connect(rig.address, rig.agent)
-    # The sender claims 64 blocks per layer; it registered 32. Block 40 is not its memory.
-    await peer.send(peer.hello(token, [3, 4], src_num_blocks=64))
+    # The sender claims more blocks per layer than the 32 it registered; blocks ``first`` and
+    # ``first + 1`` of layer 0 lie in none of its registered buffers. (Block 40 would not do: the
+    # layers' buffers are separate allocations, and one may sit right after layer 0's, so a block
+    # past the end of layer 0 can be the sender's registered memory after all, read without error.)
+    await peer.send(peer.hello(token, [3, 4], src_num_blocks=first + 2))
     assert (await peer.reply())[0] is control.Kind.ACK
-    await peer.send(peer.layer(token, 0, [3, 4], [40, 41]))
+    await peer.send(peer.layer(token, 0, [3, 4], [first, first + 1]))
     kind, body = await peer.reply()
     assert kind is control.Kind.ERROR and b"NIXL refused the READ" in body
     assert np.array_equal(rig.snapshot([3, 4]), before)
