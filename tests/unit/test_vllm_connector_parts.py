@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -254,4 +255,33 @@ async def test_events_cross_a_unix_datagram_socket(tmp_path: Path) -> None:
     listener.close()
     sink.emit(event)  # nobody listens: dropped and counted, never raised
     assert sink.num_dropped == 1
+    sink.close()
+
+
+async def test_a_burst_larger_than_the_kernels_datagram_queue_loses_no_event(
+        tmp_path: Path) -> None:
+    # Linux queues net.unix.max_dgram_qlen datagrams (10 by default) per listener; a burst of
+    # handoffs emits more while the agent's loop is busy. The sender waits for room instead of
+    # dropping (a lost SENT fails its handoff).
+    received: list[ConnectorEvent] = []
+    listener = EventListener(str(tmp_path / "events.sock"), received.append)
+    await listener.start()
+    sink = EventSink(str(tmp_path / "events.sock"))
+    events = [ConnectorEvent(EventKind.SENT, token=f"t#{i}", layer_computed_s=(0.1, 0.2),
+                             layer_sent_s=(0.15, 0.25), done_s=0.3, exposed_s=0.1)
+              for i in range(60)]
+
+    def burst() -> None:
+        for event in events:
+            sink.emit(event)
+
+    emitting = asyncio.get_running_loop().run_in_executor(None, burst)
+    time.sleep(0.3)  # the listener's loop is busy: the kernel's queue fills meanwhile
+    await emitting
+    for _ in range(200):
+        if len(received) == len(events):
+            break
+        await asyncio.sleep(0.01)
+    assert received == events and sink.num_dropped == 0
+    listener.close()
     sink.close()

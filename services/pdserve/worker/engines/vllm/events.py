@@ -3,9 +3,12 @@
 vLLM returns nothing from the worker process that a sidecar could read in time: a prefill
 request's output is emitted before its KV has been sent, and the counters of refused frames live
 only in the worker. So the worker side sends small JSON datagrams (``ConnectorEvent``) to a
-socket the agent listens on (``ConnectorSettings.events_path``). Datagrams need no framing, never
-block the sender (a missing or full listener drops the event, which is logged), and die with the
-machine: the channel is local by construction.
+socket the agent listens on (``ConnectorSettings.events_path``). Datagrams need no framing and die
+with the machine: the channel is local by construction. Linux queues only
+``net.unix.max_dgram_qlen`` datagrams per listener (10 by default), fewer than a burst of
+handoffs emits while the agent's loop is busy, so a sender waits (up to ``EMIT_TIMEOUT_S``) for
+room rather than drop an event the agent needs (a lost ``SENT`` would fail its handoff); a
+missing listener, or one that stays full that long, drops the event, which is logged.
 
 Events: a handoff that landed (``RECEIVED``) or was pushed (``SENT``), with its checksum for the
 audit; one that failed on either side (``FAILED``), with the reason; and the receiver's running
@@ -27,6 +30,8 @@ from dataclasses import asdict, dataclass
 logger = logging.getLogger(__name__)
 
 MAX_EVENT_NBYTES = 64 * 1024
+EMIT_TIMEOUT_S = 2.0
+"""Longest a sender waits for room in a full listener's queue."""
 
 
 class EventKind(enum.StrEnum):
@@ -62,18 +67,31 @@ class ConnectorEvent:
     block_nbytes: int = 0
     destination: str = ""
     """``DESTINATION``: the ``KvDestination`` proto, base64."""
+    layer_computed_s: tuple[float, ...] = ()
+    """``SENT``: per layer, when its prompt KV was final (``worker_side.LayerTimeline``)."""
+    layer_sent_s: tuple[float, ...] = ()
+    """``SENT``: per layer, when the transport had taken its last blocks."""
+    done_s: float = 0.0
+    """``SENT``: when the receiver acknowledged DONE."""
+    exposed_s: float = 0.0
+    """``SENT``: DONE's acknowledgement minus the end of prefill compute."""
 
     def encode(self) -> bytes:
         entry = asdict(self)
-        entry["block_crc32s"] = list(self.block_crc32s)
+        for name in _TUPLE_FIELDS:
+            entry[name] = list(getattr(self, name))
         return json.dumps(entry, separators=(",", ":")).encode()
 
     @staticmethod
     def decode(raw: bytes) -> ConnectorEvent:
         entry = json.loads(raw)
         entry["kind"] = EventKind(entry["kind"])
-        entry["block_crc32s"] = tuple(entry.get("block_crc32s", ()))
+        for name in _TUPLE_FIELDS:
+            entry[name] = tuple(entry.get(name, ()))
         return ConnectorEvent(**entry)
+
+
+_TUPLE_FIELDS = ("block_crc32s", "layer_computed_s", "layer_sent_s")
 
 
 class EventSink:
@@ -84,7 +102,7 @@ class EventSink:
         self._sock: socket.socket | None = None
         if path:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.setblocking(False)
+            self._sock.settimeout(EMIT_TIMEOUT_S)  # blocks only while the queue is full
         self.num_dropped = 0
 
     def emit(self, event: ConnectorEvent) -> None:
