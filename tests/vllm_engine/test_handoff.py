@@ -1,5 +1,6 @@
-"""Two real vLLM engines (prefill, decode) handing KV over pdserve's connector on real TCP
-sockets, the rendezvous through a folder (the in-process stand-in for the coordinator's).
+"""Two real vLLM engines (prefill, decode) handing KV over pdserve's connector, once over tcp
+(real sockets) and once over nixl (UCX READs out of the prefill engine's registered cache), the
+rendezvous through a folder (the in-process stand-in for the coordinator's).
 
 The colocated reference is the prefill engine itself, run before any ticket exists (pdserve's
 connector leaves requests without a ticket alone) and with its prefix cache reset afterwards.
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
+from helpers.requirements import require_nixl
 from helpers.vllm_env import ENGINE_ENVIRONMENT
 
 from pdserve.common.types import FencingToken
@@ -29,7 +31,7 @@ from pdserve.worker.engines.vllm.protocol import (
     TicketParams,
     TicketRole,
 )
-from pdserve.worker.transports.tcp.sender import TcpKvSender
+from pdserve.worker.transports.registry import get_backend
 from pdserve.worker.transports.values import TransferFailedError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -59,6 +61,7 @@ class Pair:
     decode: Side
     rendezvous_dir: Path
     reference: dict[str, list[int]]
+    transport: str
 
 
 def _prompt(length: int, salt: int) -> list[int]:
@@ -94,7 +97,8 @@ async def _generate(engine: object, request_id: str, prompt: list[int],
     return tokens, reason
 
 
-async def _start_side(model_dir: Path, rendezvous_dir: Path, events_path: Path) -> Side:
+async def _start_side(model_dir: Path, rendezvous_dir: Path, events_path: Path,
+                      transport: str) -> Side:
     from pdserve.worker.engines.vllm.engine import VllmEngine, VllmEngineSettings
 
     events: list[ConnectorEvent] = []
@@ -102,7 +106,7 @@ async def _start_side(model_dir: Path, rendezvous_dir: Path, events_path: Path) 
     await listener.start()
     connector = ConnectorSettings(rendezvous=RendezvousKind.DIRECTORY,
                                   rendezvous_dir=str(rendezvous_dir),
-                                  events_path=str(events_path))
+                                  events_path=str(events_path), transport=transport)
     engine = VllmEngine(VllmEngineSettings(
         model_path=model_dir, connector=connector, dtype="float32",
         max_model_len=MAX_MODEL_LEN, block_size_tokens=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
@@ -111,12 +115,17 @@ async def _start_side(model_dir: Path, rendezvous_dir: Path, events_path: Path) 
     return Side(engine, events)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def pair(tiny_model_dir: Path) -> AsyncIterator[Pair]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["tcp", "nixl"])
+async def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> AsyncIterator[Pair]:
+    transport = request.param
+    if transport == "nixl":
+        require_nixl()
     with tempfile.TemporaryDirectory(prefix="pdserve-vllm-") as scratch:
         root = Path(scratch)
-        prefill = await _start_side(tiny_model_dir, root / "rendezvous", root / "prefill.sock")
-        decode = await _start_side(tiny_model_dir, root / "rendezvous", root / "decode.sock")
+        prefill = await _start_side(tiny_model_dir, root / "rendezvous", root / "prefill.sock",
+                                    transport)
+        decode = await _start_side(tiny_model_dir, root / "rendezvous", root / "decode.sock",
+                                   transport)
         try:
             await asyncio.gather(prefill.engine.start(), decode.engine.start())  # type: ignore[attr-defined]
             runs = await asyncio.gather(*(
@@ -125,7 +134,7 @@ async def pair(tiny_model_dir: Path) -> AsyncIterator[Pair]:
             reference = {name: tokens for name, (tokens, _) in
                          zip([*PROMPTS, "abort"], runs, strict=True)}
             assert await prefill.engine.reset_prefix_cache()  # type: ignore[attr-defined]
-            yield Pair(prefill, decode, root / "rendezvous", reference)
+            yield Pair(prefill, decode, root / "rendezvous", reference, transport)
         finally:
             await asyncio.gather(prefill.engine.close(), decode.engine.close())  # type: ignore[attr-defined]
 
@@ -173,6 +182,7 @@ async def test_handoff_matches_colocated_token_for_token(pair: Pair) -> None:
         assert received[token].block_crc32s == sent[token].block_crc32s, name
         assert len(received[token].block_crc32s) == num_blocks
         assert received[token].crc32 == sent[token].crc32, name
+        _check_timeline(sent[token], name)
 
     after = decode_engine.prompt_tokens_by_source()  # type: ignore[attr-defined]
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -185,6 +195,19 @@ async def test_handoff_matches_colocated_token_for_token(pair: Pair) -> None:
     assert delta["external_kv_transfer"] == num_loaded
     assert delta["local_compute"] == num_single
     assert not pair.decode.of_kind(EventKind.FAILED)
+
+
+def _check_timeline(sent: ConnectorEvent, name: str) -> None:
+    """The layer-wise timeline of one handoff is whole and ordered: each layer's KV was final
+    before it was sent, layers finish in order, DONE came after every layer left, and the
+    exposed time is DONE minus the end of compute."""
+    computed, layer_sent = sent.layer_computed_s, sent.layer_sent_s
+    assert len(computed) == len(layer_sent) == sent.num_layers, name
+    assert all(t > 0 for t in computed), name
+    assert list(computed) == sorted(computed), name
+    assert all(s >= c for s, c in zip(layer_sent, computed, strict=True)), name
+    assert sent.done_s >= max(layer_sent), name
+    assert sent.exposed_s == pytest.approx(sent.done_s - max(computed)), name
 
 
 async def test_abort_mid_transfer_frees_blocks_refuses_late_frames_caches_nothing(
@@ -207,7 +230,8 @@ async def test_abort_mid_transfer_frees_blocks_refuses_late_frames_caches_nothin
     for buffer in garbage.layer_buffers:
         buffer[:] = np.random.default_rng(0).integers(0, 256, size=buffer.shape, dtype=np.uint8)
     src = list(range(len(destination.block_ids)))
-    sender = TcpKvSender(garbage)
+    backend = get_backend(pair.transport)
+    sender = backend.create_sender(garbage)
     await sender.open(destination, token)
     await sender.offer_layer(0, src)  # half of the layers land, then the request is aborted
     await sender.offer_layer(1, src)
@@ -222,9 +246,9 @@ async def test_abort_mid_transfer_frees_blocks_refuses_late_frames_caches_nothin
     await _wait_for(lambda: decode_engine.load().num_free_blocks == idle_free)  # type: ignore[attr-defined]
 
     await sender.close()
-    late = TcpKvSender(garbage)  # a late sender of the same ticket
-    await late.open(destination, token)
+    late = backend.create_sender(garbage)  # a late sender of the same ticket
     with pytest.raises(TransferFailedError):
+        await late.open(destination, token)  # nixl: refused at its HELLO; tcp: at a layer
         await late.offer_layers(range(layout.num_layers), src)
         await late.finish(0, 0.0)
     await late.close()

@@ -147,6 +147,6 @@ class WorkerSettings(CommonSettings):
         if self.engine == "vllm" and self.model_path is None:
             raise ConfigError("PDSERVE_MODEL_PATH: the vllm engine needs a model folder",
                               field="model_path")
-        if self.engine == "vllm" and self.transport != "tcp":
-            raise ConfigError(f"PDSERVE_TRANSPORT: the vllm engine moves KV over tcp, not "
-                              f"{self.transport!r}", field="transport")
+        if self.engine == "vllm" and self.transport not in ("tcp", "nixl"):
+            raise ConfigError(f"PDSERVE_TRANSPORT: the vllm engine moves KV over tcp or nixl, "
+                              f"not {self.transport!r}", field="transport")

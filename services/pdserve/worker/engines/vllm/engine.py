@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
 from pdserve.worker.engines.vllm import lifetime, runtime_check
@@ -70,6 +70,19 @@ class VllmEngineSettings:
     watch_interval_s: float = 0.5
     environment: dict[str, str] = field(default_factory=dict)
     """Set in this process before vLLM starts (its processes inherit it), if not set already."""
+    vllm_connector: VllmConnectorSpec | None = None
+    """vLLM's own connector instead of pdserve's (``connector`` must then be None)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VllmConnectorSpec:
+    """One of vLLM's own KV connectors instead of pdserve's (side-by-side benchmarks):
+    ``name`` as vLLM registers it (``ExampleConnector``, ...), ``role`` ``kv_producer``,
+    ``kv_consumer`` or ``kv_both``, and its ``kv_connector_extra_config``."""
+
+    name: str
+    role: Literal["kv_producer", "kv_consumer", "kv_both"]
+    extra_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,12 +254,22 @@ class VllmEngine:
                             ("max_num_batched_tokens", settings.max_num_batched_tokens)):
             if value is not None:
                 kwargs[name] = value
+        if settings.connector is not None and settings.vllm_connector is not None:
+            raise InvalidArgumentError("pdserve's connector or one of vLLM's, not both",
+                                       field="vllm_connector")
         if settings.connector is not None:
             from vllm.config import KVTransferConfig
 
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
                 kv_role="kv_both", kv_connector_extra_config=settings.connector.to_extra_config())
+        elif settings.vllm_connector is not None:
+            from vllm.config import KVTransferConfig
+
+            spec = settings.vllm_connector
+            kwargs["kv_transfer_config"] = KVTransferConfig(
+                kv_connector=spec.name, kv_role=spec.role,
+                kv_connector_extra_config=dict(spec.extra_config))
         return kwargs
 
     async def _watch(self) -> None:

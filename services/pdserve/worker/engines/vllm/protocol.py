@@ -138,6 +138,10 @@ class DestinationPlacement:
         return placement
 
 
+CONNECTOR_TRANSPORTS = ("tcp", "nixl")
+"""Transports the connector drives (``inproc`` moves KV inside one process: not between engines)."""
+
+
 class RendezvousKind(enum.StrEnum):
     AGENT = "agent"  # through the agent beside the engine: its events socket, its gRPC
     GRPC = "grpc"  # the coordinator's PublishDestination / AwaitDestination, from vLLM's processes
@@ -163,6 +167,8 @@ class ConnectorSettings:
     min_load_tokens: int = 1
     """Prompt tokens beyond the local prefix hit below which decode computes them itself."""
     rpc_timeout_s: float = 5.0
+    transport: str = "tcp"
+    """How KV moves: ``tcp`` (the prefill side pushes) or ``nixl`` (the decode side READs)."""
     die_with_parent: bool = True
     """EngineCore and its worker get SIGKILL when their parent dies (Linux PR_SET_PDEATHSIG)."""
 
@@ -179,6 +185,10 @@ class ConnectorSettings:
         if not 0 <= self.kv_port <= 65535:
             raise InvalidArgumentError(f"kv_port {self.kv_port} out of range",
                                        field="kv_connector_extra_config.kv_port")
+        if self.transport not in CONNECTOR_TRANSPORTS:
+            raise InvalidArgumentError(
+                f"transport {self.transport!r}; the connector speaks "
+                f"{', '.join(CONNECTOR_TRANSPORTS)}", field="kv_connector_extra_config.transport")
         if self.min_load_tokens < 1:
             raise InvalidArgumentError("min_load_tokens must be >= 1",
                                        field="kv_connector_extra_config.min_load_tokens")

@@ -53,6 +53,7 @@ from pdserve.worker.engines.vllm.events import ConnectorEvent, EventKind, EventL
 from pdserve.worker.engines.vllm.exchange import DestinationExchange, destination_of
 from pdserve.worker.engines.vllm.model_folders import check_model_folder
 from pdserve.worker.engines.vllm.protocol import (
+    CONNECTOR_TRANSPORTS,
     ConnectorSettings,
     RendezvousKind,
     TicketParams,
@@ -223,12 +224,19 @@ class _VllmRuntime:
         self._layout = replace(self._layout, num_blocks=capacity.num_blocks,
                                block_size_tokens=capacity.block_size_tokens)
 
-    def _connector(self, kv_host: str = "127.0.0.1", kv_port: int = 0) -> ConnectorSettings:
+    def _connector(self, transport: TransportBackend, kv_host: str = "127.0.0.1",
+                   kv_port: int = 0) -> ConnectorSettings:
+        """The connector's settings; an unknown or unusable transport fails here, naming it."""
+        if transport.name not in CONNECTOR_TRANSPORTS:
+            raise InvalidArgumentError(
+                f"the vllm engine moves KV over {' or '.join(CONNECTOR_TRANSPORTS)}, not "
+                f"{transport.name}", field="transport")
         return ConnectorSettings(rendezvous=RendezvousKind.AGENT,
                                  kv_host=kv_host, kv_port=kv_port,
                                  events_path=self._events_path,
                                  worker_id=self.settings.worker_id,
-                                 rpc_timeout_s=min(5.0, self.settings.handoff_timeout_s))
+                                 rpc_timeout_s=min(5.0, self.settings.handoff_timeout_s),
+                                 transport=transport.name)
 
     def _engine(self) -> VllmEngine:
         if self.engine is None or self.engine.state is not EngineState.READY:
@@ -321,10 +329,7 @@ class VllmPrefillRuntime(_VllmRuntime):
     rendezvous (where the decode worker's agent publishes it) before it submits the prompt."""
 
     async def start(self, transport: TransportBackend) -> None:
-        if transport.name != "tcp":
-            raise InvalidArgumentError(f"the vllm engine moves KV over tcp, not {transport.name}",
-                                       field="transport")
-        await self._start_engine(self._connector())
+        await self._start_engine(self._connector(transport))
 
     async def prefill(self, ticket: PrefillTicket) -> PrefillResult:
         engine = self._engine()
@@ -409,14 +414,11 @@ class VllmDecodeRuntime(_VllmRuntime):
         """``str(token)`` -> blocks the ticket reserved at the coordinator."""
 
     async def start(self, kv_host: str, kv_port: int, transport: TransportBackend) -> KvIntake:
-        if transport.name != "tcp":
-            raise InvalidArgumentError(f"the vllm engine moves KV over tcp, not {transport.name}",
-                                       field="transport")
         # The receiver binds inside vLLM's worker process: pick the port now so that the
         # address is known before the engine has loaded.
-        port = kv_port or _free_port(kv_host)
-        self.kv_address = f"{kv_host}:{port}"
-        await self._start_engine(self._connector(kv_host, port))
+        connector = self._connector(transport, kv_host, kv_port or _free_port(kv_host))
+        self.kv_address = f"{kv_host}:{connector.kv_port}"
+        await self._start_engine(connector)
         return KvIntake(kv_address=self.kv_address)
 
     def admit(self, token: FencingToken, num_prompt_tokens: int,

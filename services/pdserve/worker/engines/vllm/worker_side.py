@@ -1,9 +1,14 @@
 """Worker side of pdserve's connector: runs in vLLM's worker process, owns the KV data path.
 
 vLLM's KV tensors are viewed (no copy) as pdserve's ``KvCache``: one ``uint8[num_blocks,
-block_nbytes]`` buffer per layer, so pdserve's ``tcp`` transport moves whole blocks as opaque
-bytes in vLLM's own layout (on CPU ``[num_blocks, kv_heads, block_size, 2 * head_size]`` with K
-stored transposed inside a block: never indexed by token here).
+block_nbytes]`` buffer per layer, so pdserve's transports move whole blocks as opaque bytes in
+vLLM's own layout (on CPU ``[num_blocks, kv_heads, block_size, 2 * head_size]`` with K stored
+transposed inside a block: never indexed by token here). The transport is the worker's
+(``ConnectorSettings.transport``): ``tcp`` pushes each layer into the decode side's blocks;
+``nixl`` announces each layer and the decode side READs it out of this engine's registered
+cache into blocks it owns. Both run the same receiver-side admission (ticket live, fencing
+token owns every destination block, layer in range and not yet received, sizes match) before a
+byte lands, and the same checksums.
 
 Threads: vLLM calls the connector on its model-runner thread; the data path lives on an asyncio
 loop in one daemon thread (``_LoopThread``), which alone touches the receiver, the senders and the
@@ -26,6 +31,13 @@ Prefill (``SendSpec``): ``save_kv_layer`` runs right after each layer's attentio
 The job waits for the destination (given, or from the rendezvous), checks it against the prompt,
 and after the last layer sends DONE. The request's blocks stay allocated (``request_finished``
 returned True) until the job has ended and vLLM has reported the request finished.
+
+Layer-wise evidence (``LayerTimeline``, in the ``SENT`` event): per layer, when its KV was
+final (the model thread's ``save_kv_layer`` for the prompt's last step) and when the transport
+had taken it (tcp: written to the socket; nixl: announced, the READ is the receiver's), and when
+the receiver acknowledged DONE. **Exposed transfer time** is DONE's acknowledgement minus the
+end of prefill compute (the last layer's KV final): the time the decode side waits beyond the
+prefill itself, all that layer-wise overlap cannot hide.
 """
 
 from __future__ import annotations
@@ -54,8 +66,8 @@ from pdserve.worker.engines.vllm.protocol import (
 )
 from pdserve.worker.kv_checksums import kv_checksum
 from pdserve.worker.kv_owner import BlockOwnerTable
-from pdserve.worker.transports.tcp.receiver import TcpKvReceiver
-from pdserve.worker.transports.tcp.sender import TcpKvSender, close_sender_connections
+from pdserve.worker.transports.base import KvReceiver, KvSender
+from pdserve.worker.transports.registry import TransportBackend, get_backend
 from pdserve.worker.transports.values import KvDestinationSpec
 
 logger = logging.getLogger(__name__)
@@ -84,8 +96,8 @@ class VllmKvCache(KvCache):
         for index, tensor in enumerate(tensors):
             if tensor.device.type != "cpu":
                 raise NotImplementedError(
-                    f"KV layer {index} is on {tensor.device}: pdserve's tcp data path reads "
-                    "host memory (device tensors need the nixl transport, not built yet)")
+                    f"KV layer {index} is on {tensor.device}: pdserve's connector moves host "
+                    "memory only (registering device memory with nixl is not built yet)")
             if not tensor.is_contiguous() or int(tensor.shape[0]) != num_blocks:
                 raise ValueError(f"KV layer {index}: shape {tuple(tensor.shape)} is not "
                                  f"[num_blocks={num_blocks}, ...] contiguous")
@@ -112,6 +124,32 @@ def block_crc32s(kv_cache: KvCache, block_ids: Sequence[int]) -> tuple[int, ...]
             crc = zlib.crc32(buffer[block_id], crc)
         crcs.append(crc)
     return tuple(crcs)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTimeline:
+    """One prefill's layer-wise handoff, in seconds since the first forward step that computed
+    part of its prompt began.
+
+    ``layer_computed_s[l]``: layer l's prompt KV was final; ``layer_sent_s[l]``: the transport had
+    taken its last blocks; ``done_s``: the receiver acknowledged DONE (the decode side may start);
+    ``exposed_s = done_s - max(layer_computed_s)``: the transfer time layer-wise overlap did not
+    hide. A layer the decode side already held (its prefix cache) counts as sent when computed.
+    """
+
+    layer_computed_s: tuple[float, ...]
+    layer_sent_s: tuple[float, ...]
+    done_s: float
+    exposed_s: float
+
+    @staticmethod
+    def of(job: _SendJob, done_s: float) -> LayerTimeline:
+        base = job.started_s
+        computed = tuple(max(0.0, t - base) for t in job.computed_s)
+        sent = tuple(max(c, t - base) if t else c for c, t in zip(computed, job.sent_s,
+                                                                   strict=True))
+        done = done_s - base
+        return LayerTimeline(computed, sent, done, max(0.0, done - max(computed, default=0.0)))
 
 
 # ---- the loop thread ------------------------------------------------------------------------
@@ -144,11 +182,17 @@ class _SendJob:
     req_id: str
     token: Any
     num_prompt_blocks: int
-    queue: asyncio.Queue[tuple[int, SendSpec]]
+    queue: asyncio.Queue[tuple[int, SendSpec, float]]
+    """(layer, spec, when the model thread posted it: ``time.perf_counter()``)."""
     sent_upto: list[int]
     """Per layer: logical blocks below this index were offered."""
     task: asyncio.Task[None] | None = None
     started_s: float = field(default_factory=time.perf_counter)
+    """When the first forward step that computed part of this prompt began."""
+    computed_s: list[float] = field(default_factory=list)
+    """Per layer: when its whole prompt KV was final (0 until then)."""
+    sent_s: list[float] = field(default_factory=list)
+    """Per layer: when the transport had taken its last blocks (0 until then)."""
 
 
 class WorkerSide:
@@ -164,7 +208,8 @@ class WorkerSide:
         self.kv_cache: VllmKvCache | None = None
         self._layer_index: dict[str, int] = {}
         self._owner_table: BlockOwnerTable | None = None
-        self._receiver: TcpKvReceiver | None = None
+        self._backend: TransportBackend | None = None
+        self._receiver: KvReceiver | None = None
         self._kv_address = ""
         self._events = EventSink(settings.events_path)
         # loop-thread state
@@ -180,6 +225,8 @@ class WorkerSide:
         self._finished_by_vllm: set[str] = set()
         self._send_req_ids: set[str] = set()
         """Model thread only: requests this worker sent for and has not reported yet."""
+        self._step_started_s = 0.0
+        """Model thread only: when the current forward step began (``time.perf_counter()``)."""
 
     # -- registration --
 
@@ -202,9 +249,10 @@ class WorkerSide:
         assert self.kv_cache is not None
         if self._exchange is None:
             self._exchange = make_exchange(self._settings, self._events)
+        self._backend = get_backend(self._settings.transport)
         if self._is_consumer:
             self._owner_table = BlockOwnerTable(self.kv_cache.layout.num_blocks)
-            self._receiver = TcpKvReceiver(self.kv_cache, self._owner_table)
+            self._receiver = self._backend.create_receiver(self.kv_cache, self._owner_table)
             self._kv_address = await self._receiver.start(self._settings.kv_host,
                                                           self._settings.kv_port)
             self._poller = asyncio.create_task(self._poll_rejections())
@@ -212,6 +260,8 @@ class WorkerSide:
     # -- per step, model thread --
 
     def start_loads(self, loads: Sequence[LoadSpec]) -> None:
+        """Called as each forward step begins (with its loads, possibly none)."""
+        self._step_started_s = time.perf_counter()
         if not loads:
             return
         if self._receiver is None:
@@ -223,9 +273,11 @@ class WorkerSide:
         if not sends:
             return
         layer = self._layer_index[layer_name]
+        now_s = time.perf_counter()
+        step_started_s = min(self._step_started_s or now_s, now_s)
         for spec in sends:
             self._send_req_ids.add(spec.req_id)
-            self._post(self._offer, spec, layer)
+            self._post(self._offer, spec, layer, now_s, step_started_s)
 
     def abort_sends(self, req_ids: Sequence[str]) -> None:
         for req_id in req_ids:
@@ -266,7 +318,10 @@ class WorkerSide:
             self._poller.cancel()
         if self._receiver is not None:
             await self._receiver.close()
-        close_sender_connections()
+        if self._settings.transport == "tcp":
+            from pdserve.worker.transports.tcp.sender import close_sender_connections
+
+            close_sender_connections()
         if self._exchange is not None:
             await self._exchange.close()
 
@@ -293,7 +348,8 @@ class WorkerSide:
             self._owner_table.assign(token, spec.dst_block_ids)
             self._receiver.expect(token, spec.dst_block_ids, self.kv_cache.layout.num_layers)
             destination = KvDestinationSpec(
-                kv_address=self._kv_address, block_ids=spec.dst_block_ids, transport="tcp",
+                kv_address=self._kv_address, block_ids=spec.dst_block_ids,
+                transport=self._settings.transport,
                 layout=self.kv_cache.layout, decode_worker_id=self._settings.worker_id,
                 metadata=DestinationPlacement(spec.first_block, spec.num_prompt_tokens).encode())
             await asyncio.wait_for(self._exchange.publish(token, destination),
@@ -356,17 +412,21 @@ class WorkerSide:
 
     # -- prefill side, loop thread --
 
-    def _offer(self, spec: SendSpec, layer: int) -> None:
+    def _offer(self, spec: SendSpec, layer: int, posted_s: float, step_started_s: float) -> None:
         assert self.kv_cache is not None
         job = self._send_jobs.get(spec.req_id)
         if job is None:
             num_blocks = math.ceil(spec.num_prompt_tokens / self.kv_cache.layout.block_size_tokens)
+            num_layers = self.kv_cache.layout.num_layers
             job = _SendJob(spec.req_id, spec.token, num_blocks, asyncio.Queue(),
-                           [0] * self.kv_cache.layout.num_layers)
+                           [0] * num_layers, started_s=step_started_s,
+                           computed_s=[0.0] * num_layers, sent_s=[0.0] * num_layers)
             job.task = asyncio.get_running_loop().create_task(
                 self._run_send(job, spec), name=f"kv-send-{spec.req_id}")
             self._send_jobs[spec.req_id] = job
-        job.queue.put_nowait((layer, spec))
+        if spec.num_ready_blocks >= job.num_prompt_blocks and not job.computed_s[layer]:
+            job.computed_s[layer] = posted_s
+        job.queue.put_nowait((layer, spec, posted_s))
 
     def _abort_send(self, req_id: str) -> None:
         job = self._send_jobs.get(req_id)
@@ -375,7 +435,8 @@ class WorkerSide:
 
     async def _run_send(self, job: _SendJob, first: SendSpec) -> None:
         assert self.kv_cache is not None and self._exchange is not None
-        sender: TcpKvSender | None = None
+        assert self._backend is not None
+        sender: KvSender | None = None
         reason = ""
         try:
             destination = first.destination
@@ -384,17 +445,20 @@ class WorkerSide:
             if destination is None:
                 raise TimeoutError(f"no destination for {job.token} within {first.timeout_s} s")
             placement = self._check_destination(destination, first, job)
-            sender = TcpKvSender(self.kv_cache)
+            sender = self._backend.create_sender(self.kv_cache)
             await sender.open(destination, job.token)
             src_ids = await self._push_layers(job, sender, destination, placement,
                                               first.timeout_s)
             crc = kv_checksum(self.kv_cache, src_ids)
             crcs = block_crc32s(self.kv_cache, src_ids)
             result = await sender.finish(0, time.perf_counter() - job.started_s)
+            timeline = LayerTimeline.of(job, done_s=time.perf_counter())
             self._events.emit(ConnectorEvent(
                 EventKind.SENT, req_id=job.req_id, token=str(job.token), crc32=crc,
                 block_crc32s=crcs, num_blocks=len(src_ids), num_layers=result.num_layers,
-                num_bytes=result.num_bytes, transfer_s=result.transfer_s))
+                num_bytes=result.num_bytes, transfer_s=result.transfer_s,
+                layer_computed_s=timeline.layer_computed_s, layer_sent_s=timeline.layer_sent_s,
+                done_s=timeline.done_s, exposed_s=timeline.exposed_s))
         except asyncio.CancelledError:
             reason = "request aborted"
         except (PdserveError, TimeoutError, OSError) as exc:
@@ -428,12 +492,13 @@ class WorkerSide:
                 f"destination has {len(destination.block_ids)} blocks from block "
                 f"{placement.first_block}, the prompt needs {num_expected}",
                 field="destination.block_ids")
-        if destination.transport != "tcp":
-            raise InvalidArgumentError(f"destination transport {destination.transport!r}; this "
-                                       "connector speaks tcp", field="destination.transport")
+        if destination.transport != self._settings.transport:
+            raise InvalidArgumentError(
+                f"destination transport {destination.transport!r}; this connector speaks "
+                f"{self._settings.transport}", field="destination.transport")
         return placement
 
-    async def _push_layers(self, job: _SendJob, sender: TcpKvSender,
+    async def _push_layers(self, job: _SendJob, sender: KvSender,
                            destination: KvDestinationSpec, placement: DestinationPlacement,
                            timeout_s: float) -> list[int]:
         """Offer each (layer, ready blocks) as it is posted, until every layer has every block;
@@ -442,7 +507,7 @@ class WorkerSide:
         num_blocks = job.num_prompt_blocks
         src_ids: list[int] = []
         while min(job.sent_upto) < num_blocks:
-            layer, spec = await asyncio.wait_for(job.queue.get(), timeout_s)
+            layer, spec, _ = await asyncio.wait_for(job.queue.get(), timeout_s)
             start = max(first_block, job.sent_upto[layer])
             end = spec.num_ready_blocks
             if end > start:
@@ -450,6 +515,8 @@ class WorkerSide:
                     layer, spec.block_ids[start:end],
                     destination.block_ids[start - first_block:end - first_block])
                 job.sent_upto[layer] = end
+            if end >= num_blocks and not job.sent_s[layer]:
+                job.sent_s[layer] = time.perf_counter()
             if end >= num_blocks:
                 src_ids = list(spec.block_ids[first_block:num_blocks])
         return src_ids
