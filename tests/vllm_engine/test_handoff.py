@@ -21,10 +21,12 @@ import pytest_asyncio
 from helpers.requirements import require_nixl
 from helpers.vllm_env import ENGINE_ENVIRONMENT
 
+from pdserve.common.tokenizer import prefix_block_hashes
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
 from pdserve.worker.engines.vllm.events import ConnectorEvent, EventKind, EventListener
 from pdserve.worker.engines.vllm.exchange import DirectoryDestinationExchange
+from pdserve.worker.engines.vllm.prefix_events import KvEventSubscriber, PrefixEventIndex
 from pdserve.worker.engines.vllm.protocol import (
     ConnectorSettings,
     RendezvousKind,
@@ -47,6 +49,7 @@ TIMEOUT_S = 60.0
 class Side:
     engine: object  # VllmEngine
     events: list[ConnectorEvent]
+    kv_events: KvEventSubscriber
 
     def of_kind(self, kind: EventKind) -> list[ConnectorEvent]:
         return [e for e in self.events if e.kind is kind]
@@ -107,12 +110,14 @@ async def _start_side(model_dir: Path, rendezvous_dir: Path, events_path: Path,
     connector = ConnectorSettings(rendezvous=RendezvousKind.DIRECTORY,
                                   rendezvous_dir=str(rendezvous_dir),
                                   events_path=str(events_path), transport=transport)
+    kv_events = KvEventSubscriber(f"ipc://{events_path}.kv", PrefixEventIndex(BLOCK_SIZE))
+    kv_events.start()
     engine = VllmEngine(VllmEngineSettings(
         model_path=model_dir, connector=connector, dtype="float32",
         max_model_len=MAX_MODEL_LEN, block_size_tokens=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
         max_num_seqs=16, max_num_batched_tokens=MAX_MODEL_LEN,
-        environment=ENGINE_ENVIRONMENT))
-    return Side(engine, events)
+        environment=ENGINE_ENVIRONMENT, kv_events_endpoint=kv_events.endpoint))
+    return Side(engine, events, kv_events)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["tcp", "nixl"])
@@ -137,6 +142,7 @@ async def pair(request: pytest.FixtureRequest, tiny_model_dir: Path) -> AsyncIte
             yield Pair(prefill, decode, root / "rendezvous", reference, transport)
         finally:
             await asyncio.gather(prefill.engine.close(), decode.engine.close())  # type: ignore[attr-defined]
+            await asyncio.gather(prefill.kv_events.close(), decode.kv_events.close())
 
 
 async def _wait_for(predicate: object, timeout_s: float = 20.0) -> None:
@@ -287,3 +293,28 @@ async def test_capacity_and_load_are_vllms_own(pair: Pair) -> None:
     busy = engine.load()  # type: ignore[attr-defined]
     assert busy.num_free_blocks <= idle.num_free_blocks - math.ceil(300 / BLOCK_SIZE)
     await task
+
+
+async def test_kv_events_name_the_prefixes_vllm_caches_under_the_routers_hashes(
+        pair: Pair) -> None:
+    # The decode engine: it caches what it computed and what it received, and says so in its
+    # KV events; the index names each block with the hash the router computes for the prompt.
+    engine, index = pair.decode.engine, pair.decode.kv_events.index
+    prompt = _prompt(3 * BLOCK_SIZE + 5, 20)
+    await _generate(engine, "events-local", prompt, max_tokens=1)
+    local = set(prefix_block_hashes(prompt, BLOCK_SIZE))
+    assert len(local) == 3
+    await _wait_for(lambda: local <= set(index.all_hashes()))
+
+    handed = _prompt(2 * BLOCK_SIZE + 7, 21)
+    _, tokens, _ = await _handoff(pair, "events-handed", handed)
+    assert len(tokens) == NUM_GENERATED
+    received = set(prefix_block_hashes(handed, BLOCK_SIZE))
+    await _wait_for(lambda: received <= set(index.all_hashes()))
+
+    await _wait_for(lambda: engine.load().num_running_seqs == 0)  # type: ignore[attr-defined]
+    assert await engine.reset_prefix_cache()  # type: ignore[attr-defined]
+    # vLLM publishes a step's events with the step: one more (short) request flushes the reset.
+    await _generate(engine, "events-flush", _prompt(3, 22), max_tokens=1)
+    await _wait_for(lambda: not (local | received) & set(index.all_hashes()))
+    assert pair.decode.kv_events.num_gaps == 0

@@ -300,6 +300,20 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
+def chained_block_hash(parent_hash: int | None, block_token_ids: Sequence[int]) -> int:
+    """The ``prefix_block_hashes`` hash of one block after a block hashed ``parent_hash`` (None:
+    the sequence's first block): what an engine's "block stored" event maps to, so that routers,
+    simulator and engines agree on every prefix."""
+    parent = _HASH_ROOT if parent_hash is None else parent_hash.to_bytes(_HASH_DIGEST_BYTES,
+                                                                         "little")
+    data = np.asarray(block_token_ids, dtype=np.int64)
+    if data.size and (int(data.min()) < 0 or int(data.max()) >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    digest = hashlib.blake2b(parent + data.astype("<u4").tobytes(),
+                             digest_size=_HASH_DIGEST_BYTES).digest()
+    return int.from_bytes(digest, "little")
+
+
 def _byte_to_unicode() -> dict[int, str]:
     """The reversible byte -> printable character map of the Hugging Face ``ByteLevel`` model.
 

@@ -309,15 +309,18 @@ class Router:
         overlap: dict[str, int] = {}
         block_size = decoders[0].block_size_tokens if decoders else 16
         if self._prefix_index is not None and prefillers and num_prompt_tokens >= block_size:
+            # Prefill workers' caches pick the prefill worker; a decode worker's own cache (an
+            # engine that keeps one, e.g. vLLM) shortens a local prefill there.
             hashes = prefix_block_hashes(list(request.prompt_token_ids), block_size)
             try:
                 overlap = await self._prefix_index.overlap(
-                    request.model, [w.worker_id for w in prefillers], hashes)
+                    request.model, [w.worker_id for w in (*prefillers, *decoders)], hashes)
             except Exception:  # noqa: BLE001 - routing without prefix hints is still correct
                 logger.debug("prefix index unavailable", exc_info=True)
         return route(
             RouteRequest(num_prompt_tokens, request.max_tokens, request.prefill_mode),
-            [self._decode_candidate(w) for w in decoders],
+            [self._decode_candidate(w, overlap.get(w.worker_id, 0) * block_size)
+             for w in decoders],
             [PrefillCandidate(
                 worker_id=w.worker_id,
                 # Reported queue plus this router's dispatches since (reports are ~1 s stale).
@@ -329,13 +332,15 @@ class Router:
             excluded,
         )
 
-    def _decode_candidate(self, worker: WorkerView) -> DecodeCandidate:
+    def _decode_candidate(self, worker: WorkerView,
+                          num_cached_prefix_tokens: int = 0) -> DecodeCandidate:
         load = worker.record.load
         in_flight = self.in_flight.on(worker.worker_id)
         return DecodeCandidate(
             worker_id=worker.worker_id, num_free_blocks=load.num_free_blocks,
             num_total_blocks=load.num_total_blocks, num_running_seqs=load.num_running_seqs,
             block_size_tokens=worker.block_size_tokens,
+            num_cached_prefix_tokens=num_cached_prefix_tokens,
             num_pending_blocks=in_flight.num_reserved_blocks,
             num_pending_seqs=in_flight.num_seqs,
         )

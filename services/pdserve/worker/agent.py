@@ -180,11 +180,12 @@ class WorkerAgent(abc.ABC):
         return {}
 
     def take_prefix_delta(self) -> tuple[list[int], list[int]]:
-        """Prefix hashes cached and evicted since the previous report (prefill workers)."""
+        """Prefix hashes cached and evicted since the previous report (engines with a prefix
+        cache: every prefill worker, and decode workers whose engine keeps one)."""
         return [], []
 
     def all_prefix_hashes(self) -> list[int]:
-        """Every prefix hash cached now (prefill workers)."""
+        """Every prefix hash cached now."""
         return []
 
     async def renew_queued_leases(self) -> None:

@@ -71,6 +71,12 @@ class DecodeAgent(WorkerAgent):
 
     # -- admission ----------------------------------------------------------------------------
 
+    def take_prefix_delta(self) -> tuple[list[int], list[int]]:
+        return self.runtime.take_prefix_delta()
+
+    def all_prefix_hashes(self) -> list[int]:
+        return self.runtime.all_prefix_hashes()
+
     def admit(self, token: FencingToken, num_prompt_tokens: int,
               num_blocks: int) -> KvDestinationSpec | None:
         """Reserve the ticket's blocks under its token and expect the prompt's layers; returns

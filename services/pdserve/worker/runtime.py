@@ -368,3 +368,13 @@ class DecodeRuntime(EngineRuntime, Protocol):
         unless a stream is using them (then when it ends: a decoding stream ends by raising
         ``StaleTokenError``). Returns the blocks freed (now or by the stream), 0 if unknown."""
         ...
+
+    def take_prefix_delta(self) -> tuple[list[int], list[int]]:
+        """Prefix block hashes cached and evicted since the previous report (an engine with a
+        prefix cache of its own: the decode-local prefill decision reads them); ``([], [])``
+        for one without."""
+        ...
+
+    def all_prefix_hashes(self) -> list[int]:
+        """Every prefix block hash cached now (a full report; the delta starts over)."""
+        ...

@@ -106,6 +106,12 @@ class DecodeScheduler(EngineScheduler):
         self._slots[token] = _Slot(token, block_ids)
         return placement
 
+    def take_prefix_delta(self) -> tuple[list[int], list[int]]:
+        return [], []  # decoded sequences are not kept for reuse: no prefix cache here
+
+    def all_prefix_hashes(self) -> list[int]:
+        return []
+
     def abort(self, token: FencingToken, reason: str) -> int:
         slot = self._slots.get(token)
         if slot is None:

@@ -72,6 +72,9 @@ class VllmEngineSettings:
     """Set in this process before vLLM starts (its processes inherit it), if not set already."""
     vllm_connector: VllmConnectorSpec | None = None
     """vLLM's own connector instead of pdserve's (``connector`` must then be None)."""
+    kv_events_endpoint: str = ""
+    """ZMQ endpoint vLLM publishes its KV cache events on (``prefix_events``); empty = none.
+    Needs prefix caching (vLLM emits no events without it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +257,14 @@ class VllmEngine:
                             ("max_num_batched_tokens", settings.max_num_batched_tokens)):
             if value is not None:
                 kwargs[name] = value
+        if settings.kv_events_endpoint and settings.is_prefix_caching_enabled:
+            from vllm.config import KVEventsConfig
+
+            from pdserve.worker.engines.vllm.prefix_events import TOPIC
+
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq",
+                endpoint=settings.kv_events_endpoint, topic=TOPIC)
         if settings.connector is not None and settings.vllm_connector is not None:
             raise InvalidArgumentError("pdserve's connector or one of vLLM's, not both",
                                        field="vllm_connector")

@@ -52,6 +52,7 @@ from pdserve.worker.engines.vllm.engine import (
 from pdserve.worker.engines.vllm.events import ConnectorEvent, EventKind, EventListener
 from pdserve.worker.engines.vllm.exchange import DestinationExchange, destination_of
 from pdserve.worker.engines.vllm.model_folders import check_model_folder
+from pdserve.worker.engines.vllm.prefix_events import KvEventSubscriber, PrefixEventIndex
 from pdserve.worker.engines.vllm.protocol import (
     CONNECTOR_TRANSPORTS,
     ConnectorSettings,
@@ -128,6 +129,10 @@ class _VllmRuntime:
         self._events_path = str(Path(self._scratch.name) / "events.sock")
         self._listener = EventListener(self._events_path, self._on_event)
         self._layout = expected_layout(settings.engine)
+        # vLLM's KV cache events feed the prefix index the router reads (prefix_events).
+        self._kv_events = KvEventSubscriber(
+            f"ipc://{Path(self._scratch.name) / 'kv-events.sock'}",
+            PrefixEventIndex(self._layout.block_size_tokens))
         self._model_max_len = check_model_folder(settings.engine.model_path).max_position_embeddings
         self.engine: VllmEngine | None = None
         self._loading: asyncio.Task[None] | None = None
@@ -200,16 +205,30 @@ class _VllmRuntime:
             if not waiter.done():
                 waiter.set_exception(UnavailableError("vllm engine closed"))
         self._listener.close()
+        await self._kv_events.close()
         for task in list(self._tasks):
             task.cancel()
         await self._exchange.close()
         self._scratch.cleanup()
+
+    # -- prefix cache, from vLLM's KV events --
+
+    def take_prefix_delta(self) -> tuple[list[int], list[int]]:
+        """Prefix hashes vLLM cached and evicted since the previous report."""
+        return self._kv_events.index.take_delta()
+
+    def all_prefix_hashes(self) -> list[int]:
+        return self._kv_events.index.all_hashes()
 
     # -- start-up --
 
     async def _start_engine(self, connector: ConnectorSettings) -> None:
         await self._listener.start()
         engine_settings = replace(self.settings.engine, connector=connector)
+        if engine_settings.is_prefix_caching_enabled:
+            self._kv_events.start()  # before vLLM binds: no event is missed
+            engine_settings = replace(engine_settings,
+                                      kv_events_endpoint=self._kv_events.endpoint)
         self.engine = VllmEngine(engine_settings)
         self._loading = asyncio.create_task(self._load(), name="vllm-engine-start")
 
@@ -223,6 +242,7 @@ class _VllmRuntime:
         capacity = self.engine.capacity
         self._layout = replace(self._layout, num_blocks=capacity.num_blocks,
                                block_size_tokens=capacity.block_size_tokens)
+        self._kv_events.index.block_size_tokens = capacity.block_size_tokens  # vLLM's own
 
     def _connector(self, transport: TransportBackend, kv_host: str = "127.0.0.1",
                    kv_port: int = 0) -> ConnectorSettings:
@@ -396,11 +416,6 @@ class VllmPrefillRuntime(_VllmRuntime):
         if self._abort_request(token):
             logger.info("prefill %s aborted: %s", token, reason)
 
-    def take_prefix_delta(self) -> tuple[list[int], list[int]]:
-        return [], []  # vLLM's own prefix cache; its KV events are not fed to routing yet
-
-    def all_prefix_hashes(self) -> list[int]:
-        return []
 
 
 class VllmDecodeRuntime(_VllmRuntime):
