@@ -110,6 +110,11 @@ class PdserveConnector(KVConnectorBase_V1):
         assert isinstance(metadata, PdserveConnectorMetadata)
         return metadata.fields
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step()  # before the step's forward: the layer timeline's origin
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         fields = self._fields()
         if fields is None or self._worker is None:
@@ -117,6 +122,11 @@ class PdserveConnector(KVConnectorBase_V1):
         self._worker.start_loads(fields.loads)
         if fields.aborted_send_req_ids:
             self._worker.abort_sends(fields.aborted_send_req_ids)
+        if getattr(forward_context, "attn_metadata", None) is None:
+            # A step without a forward: vLLM steps back to back while a request only waits for
+            # its KV (or a finished prefill for its send), each step a round trip between its
+            # processes; unthrottled that takes the cores the prefill and the transfer need.
+            self._worker.wait_for_transfer_progress()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs only once its KV has landed

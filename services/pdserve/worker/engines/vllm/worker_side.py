@@ -74,6 +74,8 @@ logger = logging.getLogger(__name__)
 
 _SETUP_TIMEOUT_S = 30.0
 _REJECTION_POLL_S = 0.25
+IDLE_STEP_WAIT_S = 0.005
+"""Longest an empty step (no forward; requests waiting for KV) waits for a transfer to end."""
 
 
 # ---- vLLM's tensors as pdserve's KvCache -------------------------------------------------------
@@ -227,6 +229,8 @@ class WorkerSide:
         """Model thread only: requests this worker sent for and has not reported yet."""
         self._step_started_s = 0.0
         """Model thread only: when the current forward step began (``time.perf_counter()``)."""
+        self._transfer_ended = threading.Event()
+        """Set by the loop thread when a load or a send ends (wakes an idle step)."""
 
     # -- registration --
 
@@ -259,9 +263,19 @@ class WorkerSide:
 
     # -- per step, model thread --
 
-    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
-        """Called as each forward step begins (with its loads, possibly none)."""
+    def begin_step(self) -> None:
+        """vLLM bound this step's metadata: its forward (if any) starts now."""
         self._step_started_s = time.perf_counter()
+
+    def wait_for_transfer_progress(self) -> None:
+        """After a step without a forward: return when a load or a send ends, or after
+        ``IDLE_STEP_WAIT_S``, so that vLLM's empty steps do not spin while KV moves (a transfer
+        that ends wakes it at once: no latency is added to the handoff)."""
+        self._transfer_ended.wait(IDLE_STEP_WAIT_S)
+        self._transfer_ended.clear()
+
+    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
+        """Called every step, after the step's forward where its loads are asynchronous."""
         if not loads:
             return
         if self._receiver is None:
@@ -381,6 +395,7 @@ class WorkerSide:
                 self._done_recving.add(spec.req_id)
                 if not is_ok:
                     self._failed_recving.add(spec.req_id)
+            self._transfer_ended.set()
             if not is_ok:
                 logger.warning("KV load of %s (%s) failed: %s", spec.req_id, token, reason)
                 self._events.emit(ConnectorEvent(EventKind.FAILED, req_id=spec.req_id,
@@ -472,6 +487,7 @@ class WorkerSide:
             self._send_jobs.pop(job.req_id, None)
             with self._lock:
                 self._ended_sending.add(job.req_id)
+            self._transfer_ended.set()
             if reason:
                 logger.warning("KV send of %s (%s) failed: %s", job.req_id, job.token, reason)
                 self._events.emit(ConnectorEvent(EventKind.FAILED, req_id=job.req_id,
