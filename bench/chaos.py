@@ -114,11 +114,12 @@ def summary_rows(result: ChaosResult, figures: dict[str, float]) -> list[list[st
         ["refused at admission (RESOURCE_EXHAUSTED, not accepted)", str(c.refused), ""],
         ["accepted", str(c.accepted), ">= 1000 (full run)"],
         ["completed with every token", str(c.completed), ""],
+        ["  of which resumed by the client on another router replica", str(c.resumed), ""],
         ["failed cleanly (gRPC status)", str(c.failed_clean), ""],
         [
             "  of which cut after the first token by a decode/router kill",
             str(len(result.expected_failures)),
-            "",
+            "0 (failover, client resume)",
         ],
         [
             "  of which anything else (should have been retried)",
@@ -299,6 +300,7 @@ def main() -> None:
         "redis_all_workers_ready_s": num(figures["redis_all_ready_s"]),
         "failed_unexpected": len(result.unexpected_failures),
         "failed_cut_after_first_token": len(result.expected_failures),
+        "resumed_by_client": c.resumed,
         "refused_at_admission": c.refused,
         "client_errors": c.client_errors,
         "audit_ok": bool(result.audit and result.audit.is_ok),
