@@ -538,7 +538,8 @@ def _orphaned_tickets(stack: ChaosStack) -> list[str]:
 def has_problems(result: ChaosResult) -> bool:
     """Any must-be-zero figure that is not, or a fault that could not be injected."""
     c = result.counts
-    return bool(c.hung or c.truncated or c.client_errors or result.unexpected_failures
+    return bool(c.hung or c.truncated or c.duplicated or c.client_errors
+                or result.unexpected_failures
                 or result.expected_failures
                 or result.leaked_blocks or result.late_writes_accepted or result.orphaned_tickets
                 or result.checksum_mismatches or result.idle_ledger_problems

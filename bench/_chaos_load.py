@@ -13,6 +13,8 @@ got every token is ``completed``):
 - ``failed``: a gRPC status (a clean failure; RESOURCE_EXHAUSTED with no token is a refusal at
   admission, not an accepted request);
 - ``truncated``: a clean end with fewer tokens than asked (must never happen);
+- ``duplicated``: more tokens than asked, over all its tries (a token repeated across a failover
+  or a resume; must never happen);
 - ``hung``: no end within 60 s (must never happen);
 - ``client_error``: anything else the client raised (a bug in the harness or the stack).
 
@@ -142,8 +144,10 @@ class OpenLoopLoad:
                                started, time.monotonic(), exc.details() or "", num_resumes)
             is_complete = (last is not None and len(received) == self.max_tokens
                            and last.finish_reason == pb.FINISH_REASON_LENGTH)
-            return Outcome(request_id, "completed" if is_complete else "truncated", "",
-                           len(received), tries, started, time.monotonic(), "", num_resumes)
+            kind = ("completed" if is_complete else
+                    "duplicated" if len(received) > self.max_tokens else "truncated")
+            return Outcome(request_id, kind, "", len(received), tries, started,
+                           time.monotonic(), "", num_resumes)
         raise AssertionError("unreachable: the last try returns")
 
     async def wait_for_success_after(self, since_s: float, timeout_s: float = HANG_S
@@ -179,6 +183,8 @@ class Counts:
     truncated: int
     client_errors: int
     tokens: int
+    duplicated: int = 0
+    """More tokens than asked (a token repeated across a failover or resume)."""
     resumed: int = 0
     """Accepted requests whose client resumed the stream on another replica (completed or not)."""
 
@@ -193,6 +199,7 @@ class Counts:
             truncated=sum(o.kind == "truncated" for o in outcomes),
             client_errors=sum(o.kind == "client_error" for o in outcomes),
             tokens=sum(o.num_tokens for o in outcomes),
+            duplicated=sum(o.kind == "duplicated" for o in outcomes),
             resumed=sum(o.num_resumes > 0 for o in outcomes),
         )
 

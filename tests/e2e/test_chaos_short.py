@@ -83,6 +83,7 @@ def test_no_request_hung_or_was_truncated_and_failures_are_clean(result: ChaosRe
     assert counts.accepted >= PLAN.min_accepted, counts  # the load ran until there were enough
     assert counts.hung == 0, counts
     assert counts.truncated == 0, counts
+    assert counts.duplicated == 0, counts
     assert counts.client_errors == 0, [o for o in result.outcomes if o.kind == "client_error"][:3]
     assert counts.completed + counts.failed_clean == counts.accepted, counts
     # Nothing fails: anything before the first token is retried on other workers, and a stream

@@ -217,8 +217,7 @@ class Router:
         started = time.perf_counter()
         outcome_error = ""
         first_token_at: float | None = None
-        num_streamed = 0
-        """Tokens this router streamed (latencies); usage also counts those resumed with."""
+        num_streamed = 0  # tokens this router streamed (latencies; usage adds the resumed)
         num_resumed = len(request.resume_token_ids)
         progress = _Progress(FailoverBudget(self.config.failover, self._clock),
                              list(request.resume_token_ids))
