@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from prometheus_client import REGISTRY
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2
@@ -37,7 +38,6 @@ from pdserve.router.failover import (
     resumed_request,
     resumed_seed,
 )
-from pdserve.router.metrics import FAILOVERS
 from pdserve.router.pool_view import PoolView
 from pdserve.router.types import FinishReason, GenerationChunk, GenerationRequest, PrefillMode
 
@@ -200,7 +200,9 @@ async def _collect(router: Router, request: GenerationRequest = REQUEST
 
 
 def _failovers(outcome: FailoverOutcome) -> float:
-    return FAILOVERS.labels("m", outcome)._value.get()
+    value = REGISTRY.get_sample_value("pdserve_router_failovers_requests_total",
+                                      {"model": "m", "outcome": outcome})
+    return value or 0.0
 
 
 async def test_a_broken_stream_goes_on_on_another_worker_with_the_same_tokens() -> None:
@@ -296,3 +298,21 @@ async def test_a_client_resume_streams_only_the_rest_and_counts_the_whole_reques
         await _collect(router, GenerationRequest(request_id="", model="m",
                                                  prompt_token_ids=PROMPT, max_tokens=10,
                                                  resume_token_ids=(1,)))
+
+
+async def test_resuming_a_request_still_in_flight_here_is_unavailable_not_invalid() -> None:
+    hang = asyncio.Event()
+    workers = _Workers({"d0": 2}, hang=hang)
+    router = Router(RouterConfig(), _view(1), _Tickets(), workers)  # type: ignore[arg-type]
+    old = asyncio.create_task(_collect(router))
+    while not workers.requests:
+        await asyncio.sleep(0.01)
+    resume = GenerationRequest(request_id="r1", model="m", prompt_token_ids=PROMPT,
+                               max_tokens=10, resume_token_ids=(1, 2))
+    with pytest.raises(UnavailableError, match="still in flight"):
+        await _collect(router, resume)
+    with pytest.raises(InvalidArgumentError, match="already in flight"):
+        await _collect(router, REQUEST)
+    old.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await old

@@ -211,6 +211,9 @@ class Router:
         self._validate(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._tasks:
+            if request.resume_token_ids:  # its old stream here may still be ending: try again
+                raise UnavailableError(f"request {request_id} is still in flight here (its "
+                                       f"stream is ending); resume it again shortly")
             raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight",
                                        field="request_id")
         self._tasks[request_id] = asyncio.current_task()
