@@ -17,9 +17,12 @@ Faults (``FAULTS``):
 - ``postgres_down`` (background, overlapping the others): PostgreSQL stopped for a while;
   durable records spool and must all be written when it returns.
 
-Which failures are allowed: only streams cut after their first token by the death of the
-decode worker or router replica that carried them (``FaultRecord.may_cut_streams``). Everything
-else must end with its tokens: a failure before the first token is retried on other workers.
+Which failures are allowed: none. A failure before the first token is retried on other
+workers; a stream whose decode worker dies fails over to another one (the router re-prefills the
+prompt and the tokens delivered); a stream whose router replica dies is resumed by the client on
+another replica (``resume_token_ids``). Streams still cut after their first token while a fault
+that kills their decode worker or router struck (``FaultRecord.may_cut_streams``) are reported
+apart, as ``failed_cut_after_first_token``, and count as a problem.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ CONTROL_PLANE_FAULTS = ("kill_coordinator", "kill_prefill_pool", "kill_decode_po
                         "kill_router", "kill_governor")
 FAULTS = (*WORKER_FAULTS, *CONTROL_PLANE_FAULTS, "redis_restart", "stall_transfer")
 CUTTING_FAULTS = frozenset({"kill_decode_decoding", "kill_router"})
-"""Faults that may end streams already past their first token (with a clean error)."""
+"""Faults that kill what carries streams past their first token (failover and client resume
+should keep every one of those streams whole)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,7 +538,9 @@ def _orphaned_tickets(stack: ChaosStack) -> list[str]:
 def has_problems(result: ChaosResult) -> bool:
     """Any must-be-zero figure that is not, or a fault that could not be injected."""
     c = result.counts
-    return bool(c.hung or c.truncated or c.client_errors or result.unexpected_failures
+    return bool(c.hung or c.truncated or c.duplicated or c.client_errors
+                or result.unexpected_failures
+                or result.expected_failures
                 or result.leaked_blocks or result.late_writes_accepted or result.orphaned_tickets
                 or result.checksum_mismatches or result.idle_ledger_problems
                 or result.audit is None or not result.audit.is_ok

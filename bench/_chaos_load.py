@@ -3,13 +3,18 @@
 Arrivals are Poisson (open loop: a slow or failing server does not slow the arrivals). The
 client is what a gRPC client of a replicated service does: one channel balanced round-robin over
 the router replicas (``channel_target``: calls go to replicas that are up), and a call that
-failed UNAVAILABLE before any response is repeated (it is safe to) after a jittered backoff. It
-counts the tokens and classifies the end (``tests/e2e/faults.Outcome``):
+failed UNAVAILABLE before any response is repeated (it is safe to) after a jittered backoff; one
+that failed UNAVAILABLE after some tokens (its router replica died mid-stream) is resumed on a
+replica that is up with the same request id and the tokens received (``resume_token_ids``). It
+counts the tokens and classifies the end (``tests/e2e/faults.Outcome``; a resumed stream that
+got every token is ``completed``):
 
 - ``completed``: every token asked for, then a clean end;
 - ``failed``: a gRPC status (a clean failure; RESOURCE_EXHAUSTED with no token is a refusal at
   admission, not an accepted request);
 - ``truncated``: a clean end with fewer tokens than asked (must never happen);
+- ``duplicated``: more tokens than asked, over all its tries (a token repeated across a failover
+  or a resume; must never happen);
 - ``hung``: no end within 60 s (must never happen);
 - ``client_error``: anything else the client raised (a bug in the harness or the stack).
 
@@ -114,27 +119,35 @@ class OpenLoopLoad:
         request = router_pb2.GenerateRequest(
             request_id=request_id, model=MODEL, prompt=prompt,
             sampling=pb.SamplingParams(max_tokens=self.max_tokens))
+        received: list[int] = []
+        num_resumes = 0
         for tries in range(1, CLIENT_TRIES + 1):
-            request.request_id = f"{request_id}-{tries}"
-            num_tokens = 0
+            if not received:  # a resume keeps the id of the stream it continues
+                request.request_id = f"{request_id}-{tries}"
+            request.resume_token_ids[:] = received
+            num_resumes += bool(received)
+            num_before = len(received)
             last = None
             try:
                 async for chunk in self._stub.Generate(request, timeout=HANG_S + 5):
-                    num_tokens += len(chunk.token_ids)
+                    received.extend(chunk.token_ids)
                     last = chunk
             except grpc.aio.AioRpcError as exc:
-                if (exc.code() is grpc.StatusCode.UNAVAILABLE and last is None
-                        and tries < CLIENT_TRIES):
-                    # Nothing was answered: safe to repeat (on whichever replica is up).
-                    await asyncio.sleep(min(1.0, 0.05 * 2 ** (tries - 1))
-                                        * self._jitter.uniform(0.5, 1.5))
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and tries < CLIENT_TRIES:
+                    # Nothing answered: safe to repeat (on whichever replica is up); tokens
+                    # answered: the replica died mid-stream, resume at once where it stopped.
+                    if len(received) == num_before:
+                        await asyncio.sleep(min(1.0, 0.05 * 2 ** (tries - 1))
+                                            * self._jitter.uniform(0.5, 1.5))
                     continue
-                return Outcome(request_id, "failed", exc.code().name, num_tokens, tries, started,
-                               time.monotonic(), exc.details() or "")
-            is_complete = (last is not None and num_tokens == self.max_tokens
+                return Outcome(request_id, "failed", exc.code().name, len(received), tries,
+                               started, time.monotonic(), exc.details() or "", num_resumes)
+            is_complete = (last is not None and len(received) == self.max_tokens
                            and last.finish_reason == pb.FINISH_REASON_LENGTH)
-            return Outcome(request_id, "completed" if is_complete else "truncated", "",
-                           num_tokens, tries, started, time.monotonic())
+            kind = ("completed" if is_complete else
+                    "duplicated" if len(received) > self.max_tokens else "truncated")
+            return Outcome(request_id, kind, "", len(received), tries, started,
+                           time.monotonic(), "", num_resumes)
         raise AssertionError("unreachable: the last try returns")
 
     async def wait_for_success_after(self, since_s: float, timeout_s: float = HANG_S
@@ -170,6 +183,10 @@ class Counts:
     truncated: int
     client_errors: int
     tokens: int
+    duplicated: int = 0
+    """More tokens than asked (a token repeated across a failover or resume)."""
+    resumed: int = 0
+    """Accepted requests whose client resumed the stream on another replica (completed or not)."""
 
     @classmethod
     def of(cls, outcomes: list[Outcome]) -> Counts:
@@ -182,6 +199,8 @@ class Counts:
             truncated=sum(o.kind == "truncated" for o in outcomes),
             client_errors=sum(o.kind == "client_error" for o in outcomes),
             tokens=sum(o.num_tokens for o in outcomes),
+            duplicated=sum(o.kind == "duplicated" for o in outcomes),
+            resumed=sum(o.num_resumes > 0 for o in outcomes),
         )
 
 

@@ -11,9 +11,11 @@ ahead and one decode worker's an hour behind.
 
 Faults, one at a time in a seeded random order, each waited out until every router sees every
 worker READY again (see ``_chaos_faults``): kill -9 of a prefill worker caught prefilling, one
-caught sending KV, a decode worker caught decoding, a coordinator, a prefill and a decode pool
-manager, a router, the active governor; a Redis restart (every key lost); a transfer stalled
-mid-flight (SIGSTOP of the skewed prefill worker for three ticket leases). Killed processes are
+caught sending KV, a decode worker caught decoding (its streams fail over to the other decode
+worker mid-stream), a coordinator, a prefill and a decode pool manager, a router (its clients
+resume their streams on the other replica by request id), the active governor; a Redis restart
+(every key lost); a transfer stalled mid-flight (SIGSTOP of the skewed prefill worker for three
+ticket leases). Killed processes are
 restarted after a delay, as a supervisor would. In the background PostgreSQL is down for a
 minute. Rounds repeat until enough requests were accepted. Then each pool is halved under the
 same load through SetTargetSize (the governor's path), the load stops, and the stack settles:
@@ -26,7 +28,8 @@ a ``pdserve up`` stack of its own with the sim GPUs as the bottleneck).
     python bench/chaos.py [--quick] [--seed 1] [--rate 6] [--min-accepted 1000]
 
 Progress goes to stderr. Last line: JSON with accepted, completed, failed_clean, hung,
-truncated, leaked_blocks, late_writes_accepted, redis_recovery_s, failed_during_scale_down,
+truncated, duplicated_tokens, resumed_by_client, leaked_blocks, late_writes_accepted,
+redis_recovery_s, failed_during_scale_down,
 goodput_1x, goodput_3x (and more).
 """
 
@@ -114,11 +117,12 @@ def summary_rows(result: ChaosResult, figures: dict[str, float]) -> list[list[st
         ["refused at admission (RESOURCE_EXHAUSTED, not accepted)", str(c.refused), ""],
         ["accepted", str(c.accepted), ">= 1000 (full run)"],
         ["completed with every token", str(c.completed), ""],
+        ["  of which resumed by the client on another router replica", str(c.resumed), ""],
         ["failed cleanly (gRPC status)", str(c.failed_clean), ""],
         [
             "  of which cut after the first token by a decode/router kill",
             str(len(result.expected_failures)),
-            "",
+            "0 (failover, client resume)",
         ],
         [
             "  of which anything else (should have been retried)",
@@ -127,6 +131,8 @@ def summary_rows(result: ChaosResult, figures: dict[str, float]) -> list[list[st
         ],
         ["hung (no end within 60 s)", str(c.hung), "0"],
         ["truncated (clean end, fewer tokens)", str(c.truncated), "0"],
+        ["duplicated (more tokens than asked, over failovers and resumes)", str(c.duplicated),
+         "0"],
         ["client errors (neither tokens nor a status)", str(c.client_errors), "0"],
         ["leaked blocks after settling", str(result.leaked_blocks), "0"],
         ["audit: ledgers vs workers' tables", "OK" if audit and audit.is_ok else "MISMATCH", "OK"],
@@ -290,6 +296,7 @@ def main() -> None:
         "failed_clean": c.failed_clean,
         "hung": c.hung,
         "truncated": c.truncated,
+        "duplicated_tokens": c.duplicated,
         "leaked_blocks": result.leaked_blocks,
         "late_writes_accepted": result.late_writes_accepted,
         "redis_recovery_s": num(figures["redis_recovery_s"]),
@@ -299,6 +306,7 @@ def main() -> None:
         "redis_all_workers_ready_s": num(figures["redis_all_ready_s"]),
         "failed_unexpected": len(result.unexpected_failures),
         "failed_cut_after_first_token": len(result.expected_failures),
+        "resumed_by_client": c.resumed,
         "refused_at_admission": c.refused,
         "client_errors": c.client_errors,
         "audit_ok": bool(result.audit and result.audit.is_ok),

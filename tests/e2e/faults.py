@@ -12,7 +12,9 @@ Request outcomes, as a client that follows gRPC's retry semantics sees them:
 - ``hung``: no end within ``HANG_S`` (must never happen).
 
 The client retries a call that failed UNAVAILABLE before any response on the next router
-replica (gRPC's rule for a call that is safe to repeat), like a gRPC client with several targets.
+replica (gRPC's rule for a call that is safe to repeat), like a gRPC client with several targets;
+one that failed UNAVAILABLE after some tokens (its router replica died) it resumes on the next
+replica with the same request id and the tokens it has (``resume_token_ids``).
 """
 
 from __future__ import annotations
@@ -267,6 +269,8 @@ class Outcome:
     """time.monotonic() at the first try."""
     ended_s: float
     detail: str = ""
+    num_resumes: int = 0
+    """Tries that resumed the stream after some tokens (``resume_token_ids``)."""
 
 
 def _prompt(rng: random.Random, num_tokens: int) -> str:
@@ -319,35 +323,42 @@ class Load:
             return Outcome(request_id, "hung", "", 0, 0, started, time.monotonic())
 
     async def _request(self, prompt: str, request_id: str, started: float) -> Outcome:
-        num_tokens = 0
+        received: list[int] = []
+        """Tokens of the request so far, over every try (a resumed try sends them)."""
         code = ""
         detail = ""
         tries = 0
+        num_resumes = 0
+        try_id = ""
         for tries in range(1, CLIENT_TRIES + 1):
             self._next += 1
             channel = self._channels[self._next % len(self._channels)]
+            try_id = try_id if received else f"{request_id}-{tries}"  # a resume keeps its id
             call = router_pb2_grpc.RouterServiceStub(channel).Generate(router_pb2.GenerateRequest(
-                request_id=f"{request_id}-{tries}", model=MODEL, prompt=prompt,
+                request_id=try_id, model=MODEL, prompt=prompt, resume_token_ids=received,
                 sampling=pb.SamplingParams(max_tokens=self.max_tokens)), timeout=HANG_S + 5)
-            num_tokens = 0
+            num_before = len(received)
+            num_resumes += bool(received)
             last = None
             try:
                 async for chunk in call:
-                    num_tokens += len(chunk.token_ids)
+                    received.extend(chunk.token_ids)
                     last = chunk
             except grpc.aio.AioRpcError as exc:
                 code, detail = exc.code().name, exc.details() or ""
-                if exc.code() is grpc.StatusCode.UNAVAILABLE and last is None:
-                    await asyncio.sleep(0.05 * tries)
-                    continue  # nothing was answered: safe to try another replica
-                return Outcome(request_id, "failed", code, num_tokens, tries, started,
-                               time.monotonic(), detail)
-            is_complete = (last is not None and num_tokens == self.max_tokens
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    # Nothing answered: safe to try another replica. Tokens answered: the
+                    # replica died mid-stream (or gave up failing over); resume elsewhere.
+                    await asyncio.sleep(0.05 * tries if len(received) == num_before else 0.0)
+                    continue
+                return Outcome(request_id, "failed", code, len(received), tries, started,
+                               time.monotonic(), detail, num_resumes)
+            is_complete = (last is not None and len(received) == self.max_tokens
                            and last.finish_reason == pb.FINISH_REASON_LENGTH)
             return Outcome(request_id, "completed" if is_complete else "truncated", "",
-                           num_tokens, tries, started, time.monotonic())
-        return Outcome(request_id, "failed", code, num_tokens, tries, started, time.monotonic(),
-                       detail)
+                           len(received), tries, started, time.monotonic(), "", num_resumes)
+        return Outcome(request_id, "failed", code, len(received), tries, started,
+                       time.monotonic(), detail, num_resumes)
 
 
 def summary(outcomes: list[Outcome]) -> dict[str, int]:

@@ -541,7 +541,9 @@ async def test_backend_failure_after_stream_started_sends_an_error_event() -> No
     assert status == 200
     events = sse_events(streamed)
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["message"] == "decode worker lost"
+    # In-band, the message names the request (the client may send it again by that id).
+    request_id = events[0]["id"]
+    assert events[-2]["error"]["message"] == f"request {request_id}: decode worker lost"
     assert events[-2]["error"]["type"] == "service_unavailable_error"
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == REPLY[:4]
     assert plain_status == 503 and json.loads(plain)["error"]["message"] == "decode worker lost"

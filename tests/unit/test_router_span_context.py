@@ -31,13 +31,13 @@ class _StreamingRouter(Router):
         self.current_spans: list[trace.Span] = []
         self.closed = asyncio.Event()
 
-    async def _attempts(self, request: GenerationRequest, request_id: str
-                        ) -> AsyncGenerator[tuple[GenerationChunk, tuple[int, bool, float]], None]:
+    async def _attempts(self, request: GenerationRequest, request_id: str,
+                        progress: object) -> AsyncGenerator[GenerationChunk, None]:
         try:
             for index in range(3):
                 self.current_spans.append(trace.get_current_span())
                 finish = FinishReason.LENGTH if index == 2 else None
-                yield GenerationChunk(token_ids=(index,), finish_reason=finish), (1, False, 0.0)
+                yield GenerationChunk(token_ids=(index,), finish_reason=finish)
         finally:
             self.current_spans.append(trace.get_current_span())
             self.closed.set()

@@ -16,6 +16,7 @@ from pdserve.db.durable import WindowWriterAdapter, open_durable
 from pdserve.router.admission import AdmissionConfig
 from pdserve.router.clients import GrpcTicketClient, TicketClient, WorkerClients
 from pdserve.router.core import Router, RouterConfig
+from pdserve.router.failover import FailoverLimits
 from pdserve.router.outcomes import OutcomeAggregator, WindowWriter
 from pdserve.router.policy import RoutingConfig
 from pdserve.router.pool_view import PoolFollower, PoolView
@@ -48,6 +49,8 @@ def router_config(settings: RouterSettings) -> RouterConfig:
         stream_idle_timeout_s=settings.stream_idle_timeout_s,
         transport=settings.transport, slo_ttft_ms=settings.slo_ttft_ms,
         slo_tpot_ms=settings.slo_tpot_ms, admission=admission_config(settings),
+        failover=FailoverLimits(max_failovers=settings.max_failovers,
+                                max_failover_s=settings.max_failover_s),
     )
 
 

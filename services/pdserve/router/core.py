@@ -16,8 +16,10 @@ attempt reserves its blocks there for as long as it runs, and routing reads both
 
 Retries: any failure before the first token (a worker down, a ticket refused for capacity, a
 transfer that failed) aborts the ticket and tries again on other workers, up to
-``max_attempts``; after the first token the client gets a clean error (tokens already streamed
-cannot be replayed elsewhere without duplicating them).
+``max_attempts``. After the first token a broken stream fails over (``router.failover``): the
+request goes on on another decode worker as a new segment (prompt plus the tokens delivered, a
+fresh ticket, the missing tokens only), whose attempts retry like the first segment's, within
+the failover bounds; beyond them the client gets a clean UNAVAILABLE naming the request id.
 """
 
 from __future__ import annotations
@@ -46,12 +48,20 @@ from pdserve.common.errors import (
     UnavailableError,
 )
 from pdserve.common.tokenizer import prefix_block_hashes
-from pdserve.common.types import FencingToken, TicketSpec, WorkerRole
+from pdserve.common.types import FencingToken, TicketSpec, WorkerRole, WorkerState
 from pdserve.router.admission import AdmissionConfig, AdmissionPolicy, AdmissionRequest
 from pdserve.router.clients import TicketClient, WorkerClients, iterate_stream
 from pdserve.router.decode_stream import next_or_prefill_failure
+from pdserve.router.failover import (
+    FailoverBudget,
+    FailoverLimits,
+    FailoverOutcome,
+    gave_up,
+    is_resumable,
+    resumed_request,
+)
 from pdserve.router.in_flight import InFlightLedger
-from pdserve.router.metrics import REFUSALS
+from pdserve.router.metrics import CLIENT_RESUMES, FAILOVERS, REFUSALS
 from pdserve.router.policy import (
     DecodeCandidate,
     PrefillCandidate,
@@ -100,6 +110,8 @@ class RouterConfig:
     admission: AdmissionConfig | None = None
     """Admission and load shedding (``router.admission``); None = defaults with this config's
     ``max_in_flight`` and ``slo_ttft_ms``."""
+    failover: FailoverLimits = field(default_factory=FailoverLimits)
+    """Bounds on mid-stream failovers (``router.failover``)."""
 
     def admission_config(self) -> AdmissionConfig:
         return self.admission or AdmissionConfig(slo_ttft_s=self.slo_ttft_ms / 1000,
@@ -116,6 +128,27 @@ class _Retry(Exception):
         self.worker_ids = worker_ids
         self.is_backoff = is_backoff
         """Wait a little before the next attempt (the control plane, not a worker, failed)."""
+
+
+class _Failover(Exception):
+    """The decode stream broke after its first token: go on on another decode worker."""
+
+    def __init__(self, error: PdserveError, decode_worker_id: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.decode_worker_id = decode_worker_id
+
+
+@dataclass(slots=True)
+class _Progress:
+    """One request's stream so far, over all its attempts and segments."""
+
+    budget: FailoverBudget
+    delivered_token_ids: list[int]
+    """Every token the client has (those it resumed with first)."""
+    num_attempts: int = 0
+    is_local: bool = False
+    exposed_s: float = 0.0
 
 
 class Router:
@@ -178,41 +211,46 @@ class Router:
         self._validate(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._tasks:
+            if request.resume_token_ids:  # its old stream here may still be ending: try again
+                raise UnavailableError(f"request {request_id} is still in flight here (its "
+                                       f"stream is ending); resume it again shortly")
             raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight",
                                        field="request_id")
         self._tasks[request_id] = asyncio.current_task()
         started = time.perf_counter()
         outcome_error = ""
         first_token_at: float | None = None
-        num_output = 0
-        attempts = 0
-        is_local = False
-        exposed_s = 0.0
+        num_streamed = 0  # tokens this router streamed (latencies; usage adds the resumed)
+        num_resumed = len(request.resume_token_ids)
+        progress = _Progress(FailoverBudget(self.config.failover, self._clock),
+                             list(request.resume_token_ids))
+        if num_resumed:
+            CLIENT_RESUMES.labels(request.model).inc()
         # The span is current only while this generator runs its own code, never across a
         # yield: the caller may close the generator from another context (an HTTP handler's
         # cancellation, the loop's async-generator finalizer), where detaching a context token
         # attached here would fail ("Failed to detach context").
         span = tracer.start_span("router.generate", attributes={
             "pdserve.request_id": request_id, "pdserve.model": request.model,
-            "pdserve.num_prompt_tokens": len(request.prompt_token_ids)})
-        attempts_stream = self._attempts(request, request_id)
+            "pdserve.num_prompt_tokens": len(request.prompt_token_ids),
+            "pdserve.num_resumed_tokens": num_resumed})
+        attempts_stream = self._attempts(request, request_id, progress)
         try:
             while True:
                 with trace.use_span(span):
-                    item = await anext(attempts_stream, None)
-                if item is None:
+                    chunk = await anext(attempts_stream, None)
+                if chunk is None:
                     return
-                chunk, (attempts, is_local, exposed_s) = item
                 if chunk.token_ids and first_token_at is None:
                     first_token_at = time.perf_counter()
-                num_output += len(chunk.token_ids)
+                num_streamed += len(chunk.token_ids)
                 if request_id in self._cancelled:
-                    yield self._final(request, num_output, started, first_token_at,
-                                      FinishReason.CANCELLED, attempts, is_local)
+                    yield self._final(request, num_streamed, started, first_token_at,
+                                      FinishReason.CANCELLED, progress)
                     return
                 if chunk.finish_reason is not None:
-                    yield self._final(request, num_output, started, first_token_at,
-                                      chunk.finish_reason, attempts, is_local, chunk)
+                    yield self._final(request, num_streamed, started, first_token_at,
+                                      chunk.finish_reason, progress, chunk)
                     return
                 yield chunk
         except PdserveError as exc:
@@ -226,11 +264,13 @@ class Router:
                 with trace.use_span(span, end_on_exit=True):
                     await attempts_stream.aclose()  # its clean-up (aborts) runs under the span
             finally:
+                if progress.budget.is_failing_over:
+                    FAILOVERS.labels(request.model, FailoverOutcome.CANCELLED).inc()
                 self.admission.finish(request_id)
                 self._tasks.pop(request_id, None)
                 self._cancelled.discard(request_id)
-                self._record(request, request_id, started, first_token_at, num_output,
-                             attempts, is_local, outcome_error, exposed_s)
+                self._record(request, request_id, started, first_token_at, num_streamed,
+                             progress, outcome_error)
 
     def _validate(self, request: GenerationRequest) -> None:
         if not request.model:
@@ -247,6 +287,15 @@ class Router:
             raise InvalidArgumentError("prompt: empty", field="prompt")
         if request.max_tokens <= 0:
             raise InvalidArgumentError("max_tokens: must be > 0", field="max_tokens")
+        if request.resume_token_ids:
+            if not request.request_id:
+                raise InvalidArgumentError(
+                    "request_id: required to resume a stream (resume_token_ids is set)",
+                    field="request_id")
+            if len(request.resume_token_ids) > request.max_tokens:
+                raise InvalidArgumentError(
+                    f"resume_token_ids: {len(request.resume_token_ids)} tokens, more than "
+                    f"max_tokens ({request.max_tokens})", field="resume_token_ids")
         if request.max_tokens > self.config.max_tokens_limit:
             raise InvalidArgumentError(
                 f"max_tokens: {request.max_tokens} exceeds the limit "
@@ -262,19 +311,70 @@ class Router:
                 f"({request.max_tokens}) exceeds the model's context of {context} tokens",
                 field="max_tokens")
 
-    # -- 2. attempts: routing, admission, retries ---------------------------------------------
+    # -- 2. attempts: segments, routing, admission, retries -----------------------------------
 
-    async def _attempts(
-        self, request: GenerationRequest, request_id: str
-    ) -> AsyncGenerator[tuple[GenerationChunk, tuple[int, bool, float]], None]:
+    async def _attempts(self, request: GenerationRequest, request_id: str,
+                        progress: _Progress) -> AsyncGenerator[GenerationChunk, None]:
+        """The request's chunks, segment after segment (``router.failover``): the first segment
+        is the request (after the tokens its client resumed with, if any); each failover
+        starts the next one, away from the decode worker whose stream broke."""
+        budget = progress.budget
         excluded: set[str] = set()
+        while True:
+            segment = resumed_request(request, tuple(progress.delivered_token_ids))
+            if segment.max_tokens <= 0:
+                # Every token was delivered before the break: only the end was missing.
+                budget.settle()
+                yield GenerationChunk(finish_reason=FinishReason.LENGTH)
+                return
+            try:
+                async for chunk in self._segment(segment, request_id, progress, excluded):
+                    if budget.is_failing_over:
+                        budget.settle()
+                        FAILOVERS.labels(request.model, FailoverOutcome.RESUMED).inc()
+                    progress.delivered_token_ids.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except _Failover as failover:
+                num_delivered = len(progress.delivered_token_ids)
+                logger.info("request %s: decode worker %s failed after %d tokens: %s",
+                            request_id, failover.decode_worker_id, num_delivered,
+                            failover.error.message)
+                refusal = budget.begin()
+                if refusal is not None:
+                    FAILOVERS.labels(request.model, refusal).inc()
+                    raise gave_up(request_id, num_delivered, refusal, failover.error) from None
+                excluded = {failover.decode_worker_id}
+            except PdserveError as exc:
+                if not budget.is_failing_over:
+                    raise
+                outcome = (FailoverOutcome.MAX_TIME if budget.remaining_s() <= 0
+                           else FailoverOutcome.NO_WORKER)
+                budget.settle()
+                FAILOVERS.labels(request.model, outcome).inc()
+                raise gave_up(request_id, len(progress.delivered_token_ids), outcome,
+                              exc) from None
+
+    async def _segment(self, segment: GenerationRequest, request_id: str, progress: _Progress,
+                       excluded: set[str]) -> AsyncGenerator[GenerationChunk, None]:
+        """One segment's attempts: routing, admission (the request's first attempt only) and
+        retries of failures before the segment's first token on other workers. While failing
+        over, no attempt starts once the failover time is up, and a decode pool without room
+        is waited for (within that time) rather than refused."""
+        budget = progress.budget
         last_error: PdserveError | None = None
         is_backoff = False
         for attempt in range(1, self.config.max_attempts + 1):
+            if budget.is_failing_over and budget.remaining_s() <= 0:
+                raise last_error or UnavailableError("failover time is up")
             try:
-                decision = await self._route(request, frozenset(excluded))
-            except CapacityError:
-                raise
+                decision = await self._route(segment, frozenset(excluded))
+            except CapacityError as exc:
+                if not budget.is_failing_over:
+                    raise
+                last_error = exc
+                await self._backoff(attempt)
+                continue
             except UnavailableError:
                 if last_error is None or not excluded or not is_backoff:
                     if last_error is not None:
@@ -283,24 +383,32 @@ class Router:
                 # Every worker was excluded after control-plane failures (e.g. a store restart
                 # until the workers' next heartbeats): after the backoff, try them again.
                 excluded.clear()
-                decision = await self._route(request, frozenset())
-            is_local = decision.is_local_prefill
-            if attempt == 1:
-                self._admit(request, request_id, decision)
+                decision = await self._route(segment, frozenset())
+            progress.num_attempts += 1
+            progress.is_local = decision.is_local_prefill
+            if progress.num_attempts == 1:
+                self._admit(segment, request_id, decision)
+            max_first_wait_s = budget.remaining_s() if budget.is_failing_over else None
             try:
-                async for chunk, exposed_s in self._attempt(request, request_id, decision):
-                    yield chunk, (attempt, is_local, exposed_s)
+                async for chunk, exposed_s in self._attempt(segment, request_id, decision,
+                                                            max_first_wait_s):
+                    progress.exposed_s = exposed_s
+                    yield chunk
                 return
             except _Retry as retry:
                 logger.info("request %s attempt %d failed before the first token: %s",
-                            request_id, attempt, retry.error.message)
+                            request_id, progress.num_attempts, retry.error.message)
                 last_error = retry.error
                 excluded.update(retry.worker_ids)
                 is_backoff = retry.is_backoff
                 if retry.is_backoff and attempt < self.config.max_attempts:
-                    await asyncio.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.2 * 2 ** attempt))
+                    await self._backoff(attempt)
         assert last_error is not None
         raise last_error
+
+    @staticmethod
+    async def _backoff(attempt: int) -> None:
+        await asyncio.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.2 * 2 ** attempt))
 
     async def _route(self, request: GenerationRequest, excluded: frozenset[str]) -> RouteDecision:
         decoders = self._view.ready(request.model, WorkerRole.DECODE)
@@ -362,11 +470,13 @@ class Router:
     # -- 3. one attempt: ticket, dispatch, decode stream --------------------------------------
 
     async def _attempt(
-        self, request: GenerationRequest, request_id: str, decision: RouteDecision
+        self, request: GenerationRequest, request_id: str, decision: RouteDecision,
+        max_first_wait_s: float | None = None,
     ) -> AsyncIterator[tuple[GenerationChunk, float]]:
         """Chunks of one attempt with the transfer time the decode worker saw exposed so far.
-        A failure before the first token is a ``_Retry``; any failure frees what the ticket
-        holds, on both sides."""
+        A failure before the first token is a ``_Retry``, one after it a ``_Failover`` (unless
+        no other worker could do better); any failure frees what the ticket holds, on both
+        sides. ``max_first_wait_s`` caps the wait for the first token (a failover's time)."""
         decode = self._view.get(request.model, decision.decode_worker_id)
         prefill = (self._view.get(request.model, decision.prefill_worker_id)
                    if decision.prefill_worker_id else None)
@@ -393,7 +503,8 @@ class Router:
             exposed_s = 0.0
             while True:
                 message = await self._next_decode_message(stream, prefill_task, is_first,
-                                                          decode, prefill)
+                                                          decode, prefill, max_first_wait_s,
+                                                          request.model)
                 if message is None:
                     return
                 if message.HasField("stats"):
@@ -479,16 +590,33 @@ class Router:
     async def _next_decode_message(
         self, stream: AsyncIterator[worker_pb2.DecodeResponse],
         prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None, is_first: bool,
-        decode: WorkerView, prefill: WorkerView | None,
+        decode: WorkerView, prefill: WorkerView | None, max_first_wait_s: float | None,
+        model: str,
     ) -> worker_pb2.DecodeResponse | None:
         """The next decode message, None at the end of the stream. Before the first one, a
-        failure is a ``_Retry`` away from the worker that failed (prefill's, if its call did)."""
+        failure is a ``_Retry`` away from the worker that failed (prefill's, if its call did);
+        after it, a ``_Failover`` away from the decode worker. The worker counts as failed as
+        soon as its pool manager says so (FAILED in the pool view), whatever its stream does."""
         config = self.config
         idle_s = config.stream_idle_timeout_s + (config.kv_wait_timeout_s if is_first else 0.0)
+        if is_first and max_first_wait_s is not None:
+            idle_s = max(0.001, min(idle_s, max_first_wait_s))
+        decode_id = decode.worker_id
+
+        def why_gone() -> str:
+            worker = self._view.get(model, decode_id)
+            # Absent is not gone: after a store restart the view lacks live workers until their
+            # next heartbeats.
+            if worker is not None and worker.record.state is WorkerState.FAILED:
+                return f"decode worker {decode_id} failed (its heartbeats stopped)"
+            return ""
+
         try:
-            return await next_or_prefill_failure(stream, prefill_task, idle_s)
+            return await next_or_prefill_failure(stream, prefill_task, idle_s, why_gone)
         except PdserveError as exc:
             if not is_first:
+                if is_resumable(exc):
+                    raise _Failover(exc, decode_id) from None
                 raise
             is_prefill_failed = (prefill_task is not None and prefill_task.done()
                                  and prefill_task.exception() is not None)
@@ -514,32 +642,38 @@ class Router:
 
     # -- outcomes -----------------------------------------------------------------------------
 
-    def _final(self, request: GenerationRequest, num_output: int, started: float,
-               first_token_at: float | None, reason: FinishReason, attempts: int,
-               is_local: bool, chunk: GenerationChunk | None = None) -> GenerationChunk:
-        ttft_s, tpot_s = _latencies_s(started, first_token_at, num_output)
+    def _final(self, request: GenerationRequest, num_streamed: int, started: float,
+               first_token_at: float | None, reason: FinishReason, progress: _Progress,
+               chunk: GenerationChunk | None = None) -> GenerationChunk:
+        """The last chunk. Usage counts the whole request: the original prompt, and every token
+        generated for it (those a resuming client already had included)."""
+        ttft_s, tpot_s = _latencies_s(started, first_token_at, num_streamed)
+        num_output = len(request.resume_token_ids) + num_streamed
         return GenerationChunk(
             token_ids=chunk.token_ids if chunk else (),
             finish_reason=reason,
             usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_output),
             timing=RequestTiming(ttft_ms=ttft_s * 1000, tpot_ms=tpot_s * 1000,
-                                 is_local_prefill=is_local, num_attempts=attempts),
+                                 is_local_prefill=progress.is_local,
+                                 num_attempts=progress.num_attempts,
+                                 num_failovers=progress.budget.num_failovers),
             prefill_worker_id=chunk.prefill_worker_id if chunk else "",
             decode_worker_id=chunk.decode_worker_id if chunk else "",
         )
 
     def _record(self, request: GenerationRequest, request_id: str, started: float,
-                first_token_at: float | None, num_output: int, attempts: int, is_local: bool,
-                error: str, exposed_s: float) -> None:
+                first_token_at: float | None, num_streamed: int, progress: _Progress,
+                error: str) -> None:
         if self._outcome_sink is None:
             return
-        ttft_s, tpot_s = _latencies_s(started, first_token_at, num_output)
+        ttft_s, tpot_s = _latencies_s(started, first_token_at, num_streamed)
         with contextlib.suppress(Exception):
             self._outcome_sink.record(RequestOutcome(
                 request_id=request_id, deployment=request.model, ttft_s=ttft_s, tpot_s=tpot_s,
-                num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=num_output,
-                is_ok=not error, is_local_prefill=is_local, num_attempts=attempts,
-                error_code=error, exposed_transfer_s=exposed_s,
+                num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=num_streamed,
+                is_ok=not error, is_local_prefill=progress.is_local,
+                num_attempts=progress.num_attempts, error_code=error,
+                exposed_transfer_s=progress.exposed_s,
             ))
 
 

@@ -12,7 +12,11 @@ and answer with OpenAI bodies or server-sent events (``router.http_responses``);
 goes through one mapping to an HTTP status (``router.http_errors``). Errors raised before the
 first chunk become a plain HTTP error, even for ``stream: true``, because the first chunk is
 awaited before the SSE response starts; a failure after that ends the stream with one
-``data: {"error": ...}`` event and ``data: [DONE]``.
+``data: {"error": ...}`` event whose message names the request id, and ``data: [DONE]``, never
+a silent cut. A decode worker's death mid-stream is not such a failure: the core fails the
+request over (``router.failover``) and the stream goes on. This router's own death cuts the
+connection (nothing can be sent from a dead process); the client has the request id from the
+``x-request-id`` response header and may send the request again.
 
 Extensions: ``ignore_eos`` (as in vLLM; default false), the ``x-pdserve-prefill-mode`` request
 header (``auto|remote|local``), ``x-request-id`` (taken from the request or generated, and always
@@ -236,6 +240,8 @@ class _OpenAiHandlers:
             return response
         except Exception as error:  # the status line is sent: report in-band
             api_error = error_for(error, request_id)
+            if request_id not in api_error.message:  # the client may resubmit by it
+                api_error.message = f"request {request_id}: {api_error.message}"
             try:
                 await response.write(sse_event(api_error.body()))
             except ConnectionResetError:

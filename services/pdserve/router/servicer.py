@@ -1,4 +1,8 @@
-"""gRPC adapter of the router: ``Generate`` (server stream), ``Cancel``, ``ListModels``."""
+"""gRPC adapter of the router: ``Generate`` (server stream), ``Cancel``, ``ListModels``.
+
+A ``Generate`` with ``resume_token_ids`` continues a stream another replica was serving when it
+died (``router.failover``); with ``include_text``, the resumed stream's text starts after the
+resumed tokens' text (the client has that)."""
 
 from __future__ import annotations
 
@@ -53,12 +57,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             token_ids = tuple(tokenizer.encode(request.prompt, add_special_tokens=True))
         if request.prefill_mode not in _MODE:
             raise InvalidArgumentError("prefill_mode: unknown value", field="prefill_mode")
+        if any(t >= tokenizer.vocab_size for t in request.resume_token_ids):
+            raise InvalidArgumentError(
+                f"resume_token_ids: ids must be < {tokenizer.vocab_size}", field="resume_token_ids")
         sampling = request.sampling
         return GenerationRequest(
             request_id=request.request_id, model=request.model, prompt_token_ids=token_ids,
             max_tokens=sampling.max_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p or 1.0, seed=sampling.seed, ignore_eos=True,
             stop=tuple(sampling.stop), prefill_mode=_MODE[request.prefill_mode], tenant=tenant,
+            resume_token_ids=tuple(request.resume_token_ids),
         )
 
     async def Generate(
@@ -68,6 +76,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         generation = self._request(request, current_tenant(), tokenizer)
         request_id = generation.request_id
         text = IncrementalText(tokenizer)
+        text.push(generation.resume_token_ids)  # released to the client by the replica that died
         async for chunk in self._backend.generate(generation):
             message = router_pb2.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids)
             if request.include_text:
@@ -87,7 +96,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 message.timing.CopyFrom(router_pb2.RequestTiming(
                     ttft_ms=chunk.timing.ttft_ms, tpot_ms=chunk.timing.tpot_ms,
                     queue_ms=chunk.timing.queue_ms, is_local_prefill=chunk.timing.is_local_prefill,
-                    num_attempts=chunk.timing.num_attempts))
+                    num_attempts=chunk.timing.num_attempts,
+                    num_failovers=chunk.timing.num_failovers))
             yield message
 
     async def Cancel(

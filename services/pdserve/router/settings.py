@@ -55,7 +55,15 @@ class RouterSettings(CommonSettings):
         help="host:port of the KV-transfer coordinator.")
     max_attempts: int = setting(
         3, parser=int_range(1, 10),
-        help="Attempts per request before the first token.")
+        help="Attempts per request before the first token (and per failover).")
+    max_failovers: int = setting(
+        3, parser=int_range(0, 100),
+        help="Times a request's stream may move to another decode worker after its first token "
+             "(its decode worker died); 0 = the client gets UNAVAILABLE instead.")
+    max_failover_s: float = setting(
+        30.0, parser=DURATION_S,
+        help="Extra time a request's failovers may take in all (each from the break to the next "
+             "token); beyond it the client gets UNAVAILABLE naming the request.")
     max_in_flight: int = setting(
         4096, parser=int_range(1, 1_000_000),
         help="Requests admitted at once.")

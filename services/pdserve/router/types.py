@@ -51,6 +51,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     prefill_mode: PrefillMode = PrefillMode.AUTO
     tenant: str = ""
+    resume_token_ids: tuple[int, ...] = ()
+    """A stream resumed by its client (its router died): the tokens it already received, which
+    ``max_tokens`` counts; the router streams only what follows (``router.failover``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,8 @@ class RequestTiming:
     queue_ms: float = 0.0
     is_local_prefill: bool = False
     num_attempts: int = 1
+    num_failovers: int = 0
+    """Times the stream moved to another decode worker after its first token."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,8 @@ class AgentConfig:
     # The in-house scheduler's knobs (``worker.scheduler``); a self-scheduling engine has its own.
     max_batch_size: int = 256
     """Decode side: sequences in one decode step."""
+    decode_step_pause_s: float = 0.0
+    """Decode side, fault injection (tests only): a pause before each decode step."""
     prefix_cache_blocks: int = 4096
     """Prefill side: prefix hashes remembered (LRU) and reported for prefix-aware routing."""
     is_prefix_cache_simulated: bool = False

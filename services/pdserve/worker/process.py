@@ -113,6 +113,7 @@ class WorkerProcess:
         config = AgentConfig(worker_id=settings.worker_id, deployment=settings.deployment,
                              role=settings.role, transport=settings.transport,
                              max_batch_size=settings.max_batch_size,
+                             decode_step_pause_s=settings.test_decode_step_pause_s,
                              is_prefix_cache_simulated=settings.engine == "sim")
         self.engine: Engine | None = None
         """The in-house engine (sim, tiny); None for a self-scheduling one (vllm)."""

@@ -139,6 +139,11 @@ class WorkerSettings(CommonSettings):
              "as on a host whose clock is skewed. Leases are the coordinator's clock; workers "
              "only ever get durations.")
 
+    test_decode_step_pause_s: float = setting(
+        0.0, parser=DURATION_S,
+        help="Fault injection (tests only; sim and tiny engines): pause this long before each "
+             "decode step, so a test that saw token k acts before token k + 1 exists.")
+
     def check(self) -> None:
         CommonSettings.check(self)
         if self.engine not in ("sim", "tiny", "vllm"):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.api.v1 import common_pb2 as pdserve_dot_api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/api/v1/router.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve/api/v1/common.proto\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.pdserve.api.v1.SamplingParams\x12\x31\n\x0cprefill_mode\x18\x06 \x01(\x0e\x32\x1b.pdserve.api.v1.PrefillMode\x12\x14\n\x0cinclude_text\x18\x07 \x01(\x08\"s\n\rRequestTiming\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x18\n\x10is_local_prefill\x18\x04 \x01(\x08\x12\x14\n\x0cnum_attempts\x18\x05 \x01(\r\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x33\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1c.pdserve.api.v1.FinishReason\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.pdserve.api.v1.Usage\x12-\n\x06timing\x18\x06 \x01(\x0b\x32\x1d.pdserve.api.v1.RequestTiming\x12\x19\n\x11prefill_worker_id\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x08 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\x0e\x43\x61ncelResponse\x12\x10\n\x08is_found\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"n\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x03 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x04 \x01(\r\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.pdserve.api.v1.ModelInfo2\xfe\x01\n\rRouterService\x12O\n\x08Generate\x12\x1f.pdserve.api.v1.GenerateRequest\x1a .pdserve.api.v1.GenerateResponse0\x01\x12G\n\x06\x43\x61ncel\x12\x1d.pdserve.api.v1.CancelRequest\x1a\x1e.pdserve.api.v1.CancelResponse\x12S\n\nListModels\x12!.pdserve.api.v1.ListModelsRequest\x1a\".pdserve.api.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/api/v1/router.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve/api/v1/common.proto\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.pdserve.api.v1.SamplingParams\x12\x31\n\x0cprefill_mode\x18\x06 \x01(\x0e\x32\x1b.pdserve.api.v1.PrefillMode\x12\x14\n\x0cinclude_text\x18\x07 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\r\"\x8a\x01\n\rRequestTiming\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x18\n\x10is_local_prefill\x18\x04 \x01(\x08\x12\x14\n\x0cnum_attempts\x18\x05 \x01(\r\x12\x15\n\rnum_failovers\x18\x06 \x01(\r\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x33\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1c.pdserve.api.v1.FinishReason\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.pdserve.api.v1.Usage\x12-\n\x06timing\x18\x06 \x01(\x0b\x32\x1d.pdserve.api.v1.RequestTiming\x12\x19\n\x11prefill_worker_id\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x08 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\x0e\x43\x61ncelResponse\x12\x10\n\x08is_found\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"n\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x03 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x04 \x01(\r\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.pdserve.api.v1.ModelInfo2\xfe\x01\n\rRouterService\x12O\n\x08Generate\x12\x1f.pdserve.api.v1.GenerateRequest\x1a .pdserve.api.v1.GenerateResponse0\x01\x12G\n\x06\x43\x61ncel\x12\x1d.pdserve.api.v1.CancelRequest\x1a\x1e.pdserve.api.v1.CancelResponse\x12S\n\nListModels\x12!.pdserve.api.v1.ListModelsRequest\x1a\".pdserve.api.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.api.v1.router_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=77
-  _globals['_GENERATEREQUEST']._serialized_end=294
-  _globals['_REQUESTTIMING']._serialized_start=296
-  _globals['_REQUESTTIMING']._serialized_end=411
-  _globals['_GENERATERESPONSE']._serialized_start=414
-  _globals['_GENERATERESPONSE']._serialized_end=676
-  _globals['_CANCELREQUEST']._serialized_start=678
-  _globals['_CANCELREQUEST']._serialized_end=713
-  _globals['_CANCELRESPONSE']._serialized_start=715
-  _globals['_CANCELRESPONSE']._serialized_end=749
-  _globals['_LISTMODELSREQUEST']._serialized_start=751
-  _globals['_LISTMODELSREQUEST']._serialized_end=770
-  _globals['_MODELINFO']._serialized_start=772
-  _globals['_MODELINFO']._serialized_end=882
-  _globals['_LISTMODELSRESPONSE']._serialized_start=884
-  _globals['_LISTMODELSRESPONSE']._serialized_end=947
-  _globals['_ROUTERSERVICE']._serialized_start=950
-  _globals['_ROUTERSERVICE']._serialized_end=1204
+  _globals['_GENERATEREQUEST']._serialized_end=320
+  _globals['_REQUESTTIMING']._serialized_start=323
+  _globals['_REQUESTTIMING']._serialized_end=461
+  _globals['_GENERATERESPONSE']._serialized_start=464
+  _globals['_GENERATERESPONSE']._serialized_end=726
+  _globals['_CANCELREQUEST']._serialized_start=728
+  _globals['_CANCELREQUEST']._serialized_end=763
+  _globals['_CANCELRESPONSE']._serialized_start=765
+  _globals['_CANCELRESPONSE']._serialized_end=799
+  _globals['_LISTMODELSREQUEST']._serialized_start=801
+  _globals['_LISTMODELSREQUEST']._serialized_end=820
+  _globals['_MODELINFO']._serialized_start=822
+  _globals['_MODELINFO']._serialized_end=932
+  _globals['_LISTMODELSRESPONSE']._serialized_start=934
+  _globals['_LISTMODELSRESPONSE']._serialized_end=997
+  _globals['_ROUTERSERVICE']._serialized_start=1000
+  _globals['_ROUTERSERVICE']._serialized_end=1254
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "prompt_token_ids", "sampling", "prefill_mode", "include_text")
+    __slots__ = ("request_id", "model", "prompt", "prompt_token_ids", "sampling", "prefill_mode", "include_text", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MODE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -23,21 +24,24 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     prefill_mode: _common_pb2.PrefillMode
     include_text: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_mode: _Optional[_Union[_common_pb2.PrefillMode, str]] = ..., include_text: _Optional[bool] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_mode: _Optional[_Union[_common_pb2.PrefillMode, str]] = ..., include_text: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestTiming(_message.Message):
-    __slots__ = ("ttft_ms", "tpot_ms", "queue_ms", "is_local_prefill", "num_attempts")
+    __slots__ = ("ttft_ms", "tpot_ms", "queue_ms", "is_local_prefill", "num_attempts", "num_failovers")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     IS_LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     tpot_ms: float
     queue_ms: float
     is_local_prefill: bool
     num_attempts: int
-    def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., is_local_prefill: _Optional[bool] = ..., num_attempts: _Optional[int] = ...) -> None: ...
+    num_failovers: int
+    def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., is_local_prefill: _Optional[bool] = ..., num_attempts: _Optional[int] = ..., num_failovers: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timing", "prefill_worker_id", "decode_worker_id")

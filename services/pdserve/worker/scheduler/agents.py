@@ -61,7 +61,8 @@ def create_agent(config: AgentConfig, engine: Engine, transport: TransportBacken
                  control: ControlPlane | None = None) -> WorkerAgent:
     """The agent of ``config.role`` over the in-house scheduler of ``engine``."""
     if config.role is WorkerRole.DECODE:
-        decode = DecodeScheduler(engine, max_batch_size=config.max_batch_size)
+        decode = DecodeScheduler(engine, max_batch_size=config.max_batch_size,
+                                 step_pause_s=config.decode_step_pause_s)
         return ScheduledDecodeAgent(config, decode, transport, control)
     prefill = PrefillScheduler(engine, prefix_cache_blocks=config.prefix_cache_blocks,
                                is_prefix_cache_simulated=config.is_prefix_cache_simulated)

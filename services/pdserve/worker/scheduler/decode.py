@@ -66,9 +66,13 @@ def _timing_of(result: TransferResult) -> TransferTiming:
 class DecodeScheduler(EngineScheduler):
     """Implements ``worker.runtime.DecodeRuntime`` over an in-house ``Engine``."""
 
-    def __init__(self, engine: Engine, *, max_batch_size: int = 256) -> None:
+    def __init__(self, engine: Engine, *, max_batch_size: int = 256,
+                 step_pause_s: float = 0.0) -> None:
+        """``step_pause_s``: a pause before each decode step (fault injection in tests: a test
+        sees token k and acts before token k + 1 exists); 0 = none."""
         super().__init__(engine)
         self._max_batch_size = max_batch_size
+        self._step_pause_s = step_pause_s
         self.landing = KvLanding(engine.kv_cache)
         self._slots: dict[FencingToken, _Slot] = {}
         self._running: list[_Slot] = []
@@ -236,6 +240,8 @@ class DecodeScheduler(EngineScheduler):
                 self._batch_wakeup.clear()
                 await self._batch_wakeup.wait()
                 continue
+            if self._step_pause_s > 0:
+                await asyncio.sleep(self._step_pause_s)
             batch = [s for s in self._running[: self._max_batch_size] if s.sequence]
             sequences = [s.sequence for s in batch if s.sequence is not None]
             started = time.perf_counter()
