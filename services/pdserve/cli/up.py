@@ -205,7 +205,45 @@ def worker_tls_args(settings: UpSettings) -> list[str]:
     return args
 
 
+def internal_credentials(settings: UpSettings, directory: Path) -> tuple[UpSettings, Path | None]:
+    """With keys configured and no mutual TLS, the stack's internal calls need credentials
+    (``pdserve.common.auth``): a fresh service token in ``directory/service-tokens`` (unless
+    ``service_tokens_path`` names one) for the services, and ``directory/service-token-digests``
+    (verify-only ``sha256:`` lines) for the workers' own servers, so that a worker can check a
+    service's calls but not act as one. Returns the settings to run with and the workers' file
+    (None: nothing to wire)."""
+    from pdserve.common.auth import DIGEST_PREFIX, parse_service_token_file, token_digest_line
+
+    tls = settings.tls
+    is_mutual = tls is not None and tls.cert_path is not None and tls.ca_path is not None
+    has_keys = settings.api_keys_path is not None or settings.admin_keys_path is not None
+    if settings.service_tokens_path is None and (is_mutual or not has_keys):
+        return settings, None
+    if settings.service_tokens_path is None:
+        tokens_path = directory / "service-tokens"
+        tokens_path.write_text(secrets.token_hex(24) + "\n")
+        tokens_path.chmod(0o600)
+        settings = dataclasses.replace(settings, service_tokens_path=tokens_path)
+    assert settings.service_tokens_path is not None
+    tokens = parse_service_token_file(Path(settings.service_tokens_path).read_text(),
+                                      str(settings.service_tokens_path))
+    digests_path = directory / "service-token-digests"
+    digests_path.write_text("".join(
+        (token_digest_line(t.raw) if t.raw is not None else DIGEST_PREFIX + t.digest.hex())
+        + "\n" for t in tokens))
+    return settings, digests_path
+
+
 async def _up(settings: UpSettings) -> int:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as directory:
+        settings, worker_tokens_path = internal_credentials(settings, Path(directory))
+        return await _up_with(settings, worker_tokens_path)
+
+
+async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int:
+    from pdserve.common.auth import load_service_tokens
     from pdserve.common.grpc_server import GrpcServer
     from pdserve.common.runtime import setup_process, stop_on_signals
     from pdserve.common.types import WorkerRole
@@ -238,6 +276,11 @@ async def _up(settings: UpSettings) -> int:
                            settings.service_name, migrate=True)
     join_token = settings.join_token or secrets.token_hex(16)
     env = dict(os.environ, PDSERVE_JOIN_TOKEN=join_token)
+    env.pop("PDSERVE_SERVICE_TOKENS_PATH", None)  # workers never hold a service token
+    if worker_tokens_path is not None:
+        env["PDSERVE_SERVICE_TOKENS_PATH"] = str(worker_tokens_path)
+    service_tokens = load_service_tokens(settings)
+    mint = service_tokens.mint_worker_credential if service_tokens is not None else None
     server = GrpcServer.from_settings(settings)
 
     coordinator = CoordinatorApp(stores.backend, time.time, CoordinatorPolicy(),
@@ -256,9 +299,11 @@ async def _up(settings: UpSettings) -> int:
             is_provisioning=True,
             initial_target_size=count,
             grpc_port=settings.grpc_port,
+            service_tokens_path=settings.service_tokens_path,
+            service_token_grace_s=settings.service_token_grace_s,
         )
         pools[role] = PoolApp(pool_settings, stores.backend, stores.prefix_index, time.time,
-                              LocalProcessProvisioner(env=env),
+                              LocalProcessProvisioner(env=env, worker_credential=mint),
                               LifecycleSinkAdapter(durable) if durable else None)
     PoolServicerAll = PoolServicer({r: p.manager for r, p in pools.items()}, stores.backend.workers,
                                    stores.backend.events)
@@ -280,6 +325,8 @@ async def _up(settings: UpSettings) -> int:
         shed_ttft_fraction=settings.shed_ttft_fraction, fair_share_onset=settings.fair_share_onset,
         max_pending_requests=settings.max_pending_requests, tenant_share=settings.tenant_share,
         tenant_max_in_flight=settings.tenant_max_in_flight, tenant_weights=settings.tenant_weights,
+        service_tokens_path=settings.service_tokens_path,
+        service_token_grace_s=settings.service_token_grace_s,
     )
     router = RouterApp(router_settings, stores.backend, stores.prefix_index,
                        LocalTicketClient(coordinator.coordinator),
@@ -298,7 +345,9 @@ async def _up(settings: UpSettings) -> int:
                          autoscale_speedup=settings.speedup,
                          autoscale_max_num_blocks=settings.max_num_blocks,
                          is_autoscaler_dry_run=not settings.is_autoscaling,
-                         redis_url=settings.redis_url, database_url=settings.database_url),
+                         redis_url=settings.redis_url, database_url=settings.database_url,
+                         service_tokens_path=settings.service_tokens_path,
+                         service_token_grace_s=settings.service_token_grace_s),
         durable, stores.backend,
         target_setter=ManagerTargetSetter({role: pool.manager for role, pool in pools.items()}))
     governor.register(server)

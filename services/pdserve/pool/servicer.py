@@ -8,6 +8,7 @@ import grpc
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
+from pdserve.common.auth import check_worker_id
 from pdserve.common.convert import (
     load_from_pb,
     role_from_pb,
@@ -22,6 +23,9 @@ from pdserve.pool.manager import Heartbeat, PoolManager, Registration
 from pdserve.state.interfaces import PoolEventStream, WorkerStore
 
 SERVICE_NAME = "pdserve.api.v1.PoolService"
+_REGISTER = f"/{SERVICE_NAME}/Register"
+_HEARTBEAT = f"/{SERVICE_NAME}/Heartbeat"
+_DEREGISTER = f"/{SERVICE_NAME}/Deregister"
 
 _KIND_TO_PB = {
     PoolEventKind.UPSERTED: pool_pb2.POOL_EVENT_KIND_UPSERTED,
@@ -99,6 +103,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     ) -> pool_pb2.RegisterResponse:
         if not request.HasField("worker"):
             raise InvalidArgumentError("worker: required", field="worker")
+        check_worker_id(request.worker.worker_id, "worker.worker_id", method=_REGISTER)
         manager = self._for_role(role_from_pb(request.worker.role, field="worker.role"),
                                  "worker.role")
         registration = registration_from_pb(request.worker, tokenizer=tokenizer_from_pb(request))
@@ -115,6 +120,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     ) -> pool_pb2.HeartbeatResponse:
         if not request.worker_id:
             raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_worker_id(request.worker_id, method=_HEARTBEAT)
         state = worker_state_from_pb(request.state)
         held = {
             str(FencingToken(entry.token.ticket_id, entry.token.attempt)): int(entry.num_blocks)
@@ -152,6 +158,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     async def Deregister(
         self, request: pool_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
     ) -> pool_pb2.DeregisterResponse:
+        check_worker_id(request.worker_id, method=_DEREGISTER)
         record = await self._workers.get(request.worker_id)
         if record is not None:
             manager = self._for_role(record.role, "worker_id")
