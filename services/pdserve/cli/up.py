@@ -80,6 +80,9 @@ class UpSettings(CommonSettings):
     vllm_kv_cache_gib: int = setting(
         1, parser=int_range(1, 4096),
         help="vllm engine, CPU build: GiB of KV cache per worker.")
+    http_tls_cert_path: Path | None = setting(
+        None, help="PEM certificate the HTTP API serves HTTPS with; unset: plain HTTP.")
+    http_tls_key_path: Path | None = setting(None, help="PEM private key of http_tls_cert_path.")
     join_token: str = setting(
         "", help="Worker join token; empty = a fresh random one.", is_secret=True
     )
@@ -315,6 +318,8 @@ async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int
     )
     router_settings = RouterSettings(
         http_host=settings.grpc_host, http_port=settings.http_port,
+        http_tls_cert_path=settings.http_tls_cert_path,
+        http_tls_key_path=settings.http_tls_key_path,
         coordinator_address="127.0.0.1:1", transport=settings.transport,
         tls_cert_path=settings.tls_cert_path, tls_key_path=settings.tls_key_path,
         tls_ca_path=settings.tls_ca_path, api_keys_path=settings.api_keys_path,
@@ -390,7 +395,7 @@ async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int
     governor.start()
     _announce(f"grpc {address}")
     if router.http_port:
-        _announce(f"http http://{settings.grpc_host}:{router.http_port}")
+        _announce(f"http {router.http_scheme}://{settings.grpc_host}:{router.http_port}")
     try:
         started = time.monotonic()
         while not stop.is_set():

@@ -804,13 +804,10 @@ def auth_interceptor(settings: CommonSettings) -> AuthInterceptor | None:
 # ---------------------------------------------------------------------------- client side
 
 
-class BearerInterceptor(grpc.aio.UnaryUnaryClientInterceptor,
-                        grpc.aio.UnaryStreamClientInterceptor,
-                        grpc.aio.StreamUnaryClientInterceptor,
-                        grpc.aio.StreamStreamClientInterceptor):
-    """Adds ``authorization: Bearer <credential>`` to every call of a channel, unless the call
-    carries its own authorization (an operator's key passed by a command). ``credential``
-    is asked on every call, so a rotated service token is presented as soon as it is read."""
+class _Bearer:
+    """Adds ``authorization: Bearer <credential>`` to a call, unless the call carries its own
+    authorization (an operator's key passed by a command). ``credential`` is asked on every
+    call, so a rotated service token is presented as soon as it is read."""
 
     def __init__(self, credential: Callable[[], str | None]) -> None:
         self._credential = credential
@@ -827,21 +824,37 @@ class BearerInterceptor(grpc.aio.UnaryUnaryClientInterceptor,
                                           grpc.aio.Metadata(*metadata), details.credentials,
                                           details.wait_for_ready)
 
+
+class _BearerUnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
                                     request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
+
+class _BearerUnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
                                      request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
+
+class _BearerStreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
                                      request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
+
+class _BearerStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
                                       request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def bearer_interceptors(
+        credential: Callable[[], str | None]) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that present ``credential()`` on every call of a channel, one per
+    call shape (an aio channel files each interceptor under the first shape it implements)."""
+    return [_BearerUnaryUnary(credential), _BearerUnaryStream(credential),
+            _BearerStreamUnary(credential), _BearerStreamStream(credential)]
 
 
 def outgoing_credential(settings: CommonSettings) -> Callable[[], str | None] | None:

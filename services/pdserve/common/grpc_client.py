@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdserve.common.auth import BearerInterceptor, outgoing_credential
+from pdserve.common.auth import bearer_interceptors, outgoing_credential
 from pdserve.common.errors import (
     CapacityError,
     DeadlineError,
@@ -143,7 +143,7 @@ def open_channel(
     all_interceptors = [*client_interceptors(settings, tracer_provider), *interceptors]
     credential = outgoing_credential(settings)
     if credential is not None:
-        all_interceptors.append(BearerInterceptor(credential))
+        all_interceptors.extend(bearer_interceptors(credential))
     tls = tls if tls is not None else settings.tls
     if tls is None:
         return grpc.aio.insecure_channel(
