@@ -113,7 +113,8 @@ class WorkerProcess:
         config = AgentConfig(worker_id=settings.worker_id, deployment=settings.deployment,
                              role=settings.role, transport=settings.transport,
                              max_batch_size=settings.max_batch_size,
-                             is_prefix_cache_simulated=settings.engine == "sim")
+                             is_prefix_cache_simulated=settings.engine == "sim",
+                             max_prefill_stall_s=settings.max_prefill_stall_s)
         self.engine: Engine | None = None
         """The in-house engine (sim, tiny); None for a self-scheduling one (vllm)."""
         self.agent: WorkerAgent
@@ -191,6 +192,8 @@ class WorkerProcess:
 
     async def start(self) -> None:
         await self.agent.start(self.settings.kv_host, self.settings.kv_port)
+        if self.settings.test_prefill_hold_signals:
+            self._install_hold_signals()
         kv_host, _, kv_port = self.agent.kv_address.rpartition(":")
         if kv_host.strip("[]") in ("0.0.0.0", "::", ""):
             # Bound to every interface: peers need an address they can reach.
@@ -205,6 +208,19 @@ class WorkerProcess:
         self.agent.state = WorkerState.LOADING
         logger.info("worker %s registered; grpc %s kv %s", response.worker_id, self.address,
                     self.agent.kv_address)
+
+    def _install_hold_signals(self) -> None:
+        """Fault injection: SIGUSR1 holds the in-house prefill loop, SIGUSR2 releases it."""
+        import signal
+
+        hold = getattr(self.agent.runtime, "hold", None)
+        release = getattr(self.agent.runtime, "release", None)
+        if hold is None or release is None:
+            logger.warning("test_prefill_hold_signals: this runtime has no prefill loop to hold")
+            return
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, hold)
+        loop.add_signal_handler(signal.SIGUSR2, release)
 
     async def heartbeat(self) -> None:
         is_full = self._needs_full_prefix_report

@@ -146,6 +146,11 @@ class WorkerSettings(CommonSettings):
     kv_port: int = setting(0, parser=PORT, help="KV data path port; 0 = any.")
     max_batch_size: int = setting(256, parser=int_range(1, 100_000), help="Decode batch limit.")
     metrics_port: int = setting(-1, parser=PORT_OR_OFF, help="Prometheus port; -1 = off.")
+    test_prefill_hold_signals: bool = setting(
+        False,
+        help="Fault injection (tests only): SIGUSR1 holds the prefill loop (it takes no prompt "
+             "and sends no layer, as a hung engine would; heartbeats go on), SIGUSR2 releases "
+             "it.")
     test_clock_offset_s: float = setting(
         0.0, parser=float_range(-1e9, 1e9),
         help="Fault injection (tests only): shift this process's wall clock by this many seconds, "

@@ -391,6 +391,11 @@ class VllmPrefillRuntime(_VllmRuntime):
         if self._abort_request(token):
             logger.info("prefill %s aborted: %s", token, reason)
 
+    def progress_stall_s(self) -> float:
+        """vLLM schedules its own loop and the agent cannot see it advance: never stalled here
+        (a hung engine is found by its engine-core health, not by this watermark)."""
+        return 0.0
+
     def take_prefix_delta(self) -> tuple[list[int], list[int]]:
         return [], []  # vLLM's own prefix cache; its KV events are not fed to routing yet
 
