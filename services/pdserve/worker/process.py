@@ -192,7 +192,7 @@ class WorkerProcess:
 
     async def start(self) -> None:
         await self.agent.start(self.settings.kv_host, self.settings.kv_port)
-        if self.settings.test_prefill_hold_signals:
+        if self.settings.test_prefill_hold_signals and self.settings.role is WorkerRole.PREFILL:
             self._install_hold_signals()
         kv_host, _, kv_port = self.agent.kv_address.rpartition(":")
         if kv_host.strip("[]") in ("0.0.0.0", "::", ""):
