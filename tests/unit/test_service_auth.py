@@ -2,8 +2,9 @@
 
 Once any key file or a service token file is configured, the internal and operator methods need
 a credential: an unauthenticated call to each method of ``METHOD_ROLES`` is refused (the table
-is iterated, so a new RPC is covered as soon as it is placed there); a worker credential acts
-only as the worker id it names; a rotated service token is accepted without a restart and the
+is iterated, so a new RPC is covered as soon as it is placed there; ``Register`` alone reaches
+the pool, whose join-token check is the door there); a worker credential acts only as the
+worker id it names; a rotated service token is accepted without a restart and the
 old one refused once its grace has passed (the clock is injected).
 """
 
@@ -29,6 +30,7 @@ from pdserve.api.v1 import (
     worker_pb2_grpc,
 )
 from pdserve.common.auth import (
+    JOIN_METHODS,
     METHOD_ROLES,
     Authenticator,
     AuthInterceptor,
@@ -231,10 +233,14 @@ async def test_an_unauthenticated_call_to_every_method_is_refused(locked: Stack)
     before = _refusals("unauthenticated")
     async with grpc.aio.insecure_channel(locked.address) as channel:
         for method in METHOD_ROLES:
-            assert await _call(channel, method, None) is grpc.StatusCode.UNAUTHENTICATED, method
+            code = await _call(channel, method, None)
+            if method in JOIN_METHODS:  # the join token in the request is checked by the pool
+                assert code is grpc.StatusCode.UNIMPLEMENTED, method  # reached the handler
+            else:
+                assert code is grpc.StatusCode.UNAUTHENTICATED, method
             assert await _call(channel, method, "not-a-known-key-0123") is (
                 grpc.StatusCode.UNAUTHENTICATED), method
-    assert _refusals("unauthenticated") - before == 2 * len(METHOD_ROLES)
+    assert _refusals("unauthenticated") - before == 2 * len(METHOD_ROLES) - len(JOIN_METHODS)
 
 
 async def test_each_credential_reaches_exactly_its_roles_methods(locked: Stack) -> None:
@@ -263,7 +269,7 @@ async def test_keys_without_a_service_token_file_lock_the_internal_methods(
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             for method, roles in METHOD_ROLES.items():
                 code = await _call(channel, method, None)
-                if roles & {Role.CLIENT}:  # no API key file: the client API stays open
+                if roles & {Role.CLIENT} or method in JOIN_METHODS:  # no API key file: open
                     assert code not in REFUSED, method
                 else:
                     assert code is grpc.StatusCode.UNAUTHENTICATED, method
@@ -359,6 +365,27 @@ async def test_a_worker_credential_acts_only_as_its_own_worker_id(tmp_path: Path
                     await call
                 assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
                 assert "w1" in (caught.value.details() or "")
+            # A worker its provisioner could not name (a Deployment's pod) joins by the join
+            # token alone and is handed a credential for the id it registered, and only that.
+            joined = await stub.Register(register("pod-7"), timeout=5)
+            assert joined.worker_credential == worker_credential(SERVICE_TOKEN, "pod-7")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:  # not another live worker's id
+                await stub.Register(register("w1"), timeout=5)
+            assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert "worker.worker_id" in (caught.value.details() or "")
+            bad_token = register("pod-8")
+            bad_token.join_token = "not-the-join-token"
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Register(bad_token, timeout=5)
+            assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:  # a heartbeat needs the credential
+                await stub.Heartbeat(pool_pb2.HeartbeatRequest(
+                    worker_id="pod-7", join_token=settings.join_token), timeout=5)
+            assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            await stub.Heartbeat(pool_pb2.HeartbeatRequest(
+                worker_id="pod-7", join_token=settings.join_token,
+                state=common_pb2.WORKER_STATE_READY), timeout=5,
+                metadata=bearer_metadata(joined.worker_credential))
             await stub.Heartbeat(pool_pb2.HeartbeatRequest(
                 worker_id="w1", join_token=settings.join_token,
                 state=common_pb2.WORKER_STATE_READY), metadata=w1, timeout=5)
@@ -368,10 +395,10 @@ async def test_a_worker_credential_acts_only_as_its_own_worker_id(tmp_path: Path
             with pytest.raises(grpc.aio.AioRpcError) as caught:  # a worker is no operator
                 await stub.Drain(pool_pb2.DrainRequest(worker_id="w1"), metadata=w1, timeout=5)
             assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
-        assert [w.worker_id for w in await backend.workers.list("m", WorkerRole.PREFILL)
-                if w.state.value != "draining"] == ["w1"]
+        assert sorted(w.worker_id for w in await backend.workers.list("m", WorkerRole.PREFILL)
+                      if w.state.value != "draining") == ["pod-7", "w1"]
     finally:
         await server.stop(0)
         await app.manager.close()
         await backend.close()
-    assert _refusals("permission_denied") - before == 5
+    assert _refusals("permission_denied") - before == 6

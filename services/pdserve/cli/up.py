@@ -309,7 +309,7 @@ async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int
                               LocalProcessProvisioner(env=env, worker_credential=mint),
                               LifecycleSinkAdapter(durable) if durable else None)
     PoolServicerAll = PoolServicer({r: p.manager for r, p in pools.items()}, stores.backend.workers,
-                                   stores.backend.events)
+                                   stores.backend.events, mint_credential=mint)
     from pdserve.api.v1 import pool_pb2_grpc
     from pdserve.pool.servicer import SERVICE_NAME as POOL_SERVICE
 

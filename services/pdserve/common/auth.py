@@ -135,6 +135,12 @@ PUBLIC_SERVICE_PREFIXES = (
 """Methods nobody needs a credential for: load balancers probe health; the schema is public."""
 
 
+JOIN_METHODS = frozenset({"/pdserve.api.v1.PoolService/Register"})
+"""Without mutual TLS, a caller with no credential may still call these: the join token in the
+request admits it (the pool checks it, refuses a live worker's id, and returns a worker
+credential that names the id it registered)."""
+
+
 def is_public(method: str) -> bool:
     return method.startswith(PUBLIC_SERVICE_PREFIXES)
 
@@ -736,6 +742,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
             raise  # unreachable: abort raises
         decision = decide(method, principal, self._table)
+        if (decision is Decision.UNAUTHENTICATED and method in JOIN_METHODS
+                and not self.authenticator.is_mutual_tls):
+            decision = Decision.ALLOW  # the request's join token is the credential: the pool
         if decision is Decision.UNAUTHENTICATED:
             logger.debug("%s refused from %s: no credentials", method, context.peer())
             count_refusal(method, grpc.StatusCode.UNAUTHENTICATED)

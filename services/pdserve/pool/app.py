@@ -46,7 +46,8 @@ class PoolApp:
             from pdserve.common.auth import TokenFile
 
             self.manager.join_token_source = TokenFile(settings.join_token_path).tokens
-        self.servicer = PoolServicer({settings.role: self.manager}, backend.workers, backend.events)
+        self.servicer = PoolServicer({settings.role: self.manager}, backend.workers, backend.events,
+                                     mint_credential=worker_credentials(settings))
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._elector_task: asyncio.Task[None] | None = None

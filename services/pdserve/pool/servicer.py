@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
-from pdserve.common.auth import check_worker_id
+from pdserve.common.auth import Role, check_worker_id, count_refusal, current_principal
 from pdserve.common.convert import (
     load_from_pb,
     role_from_pb,
@@ -16,7 +16,7 @@ from pdserve.common.convert import (
     worker_state_to_pb,
     worker_to_pb,
 )
-from pdserve.common.errors import InvalidArgumentError, NotFoundError
+from pdserve.common.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 from pdserve.common.tokenizer_bundle import TokenizerBundle, bundle_from_pb
 from pdserve.common.types import FencingToken, PoolEventKind, WorkerRecord, WorkerRole, WorkerState
 from pdserve.pool.manager import Heartbeat, PoolManager, Registration
@@ -73,10 +73,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     server hosts every service): each call goes to the manager of the role it concerns."""
 
     def __init__(self, managers: dict[WorkerRole, PoolManager], workers: WorkerStore,
-                 events: PoolEventStream) -> None:
+                 events: PoolEventStream,
+                 mint_credential: Callable[[str], str] | None = None) -> None:
+        """``mint_credential``: worker id -> the worker credential a registration returns
+        (``auth.ServiceTokens.mint_worker_credential``); None: registrations return none."""
         self._managers = managers
         self._workers = workers
         self._events = events
+        self._mint_credential = mint_credential
 
     def _for_role(self, role: WorkerRole | None, field: str = "role") -> PoolManager:
         if role is None:
@@ -106,14 +110,32 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
         check_worker_id(request.worker.worker_id, "worker.worker_id", method=_REGISTER)
         manager = self._for_role(role_from_pb(request.worker.role, field="worker.role"),
                                  "worker.role")
+        manager.check_join_token(request.join_token)
+        await self._check_not_taken_over(request.worker.worker_id)
         registration = registration_from_pb(request.worker, tokenizer=tokenizer_from_pb(request))
         record = await manager.register(registration, request.join_token)
         policy = manager.policy
+        credential = self._mint_credential(record.worker_id) if self._mint_credential else ""
         return pool_pb2.RegisterResponse(
             worker_id=record.worker_id,
             heartbeat_interval_ms=int(policy.heartbeat_interval_s * 1000),
             heartbeat_ttl_ms=int(policy.heartbeat_timeout_s * 1000),
+            worker_credential=credential,
         )
+
+    async def _check_not_taken_over(self, worker_id: str) -> None:
+        """A caller that joins by the join token alone (no worker credential, no service or
+        worker identity) may not take over a live worker's id: it would be handed that
+        worker's credential."""
+        principal = current_principal()
+        if principal is None or principal.roles & {Role.WORKER, Role.SERVICE} or not worker_id:
+            return
+        record = await self._workers.get(worker_id)
+        if record is not None and record.state not in (WorkerState.FAILED, WorkerState.DRAINED):
+            count_refusal(_REGISTER, grpc.StatusCode.PERMISSION_DENIED)
+            raise PermissionDeniedError(
+                f"worker.worker_id: {worker_id!r} is registered and live; re-register with its "
+                "worker credential", field="worker.worker_id")
 
     async def Heartbeat(
         self, request: pool_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2_grpc
+from pdserve.common.auth import bearer_interceptors
 from pdserve.common.convert import role_to_pb, worker_state_to_pb
 from pdserve.common.errors import (
     ConfigError,
@@ -106,8 +107,14 @@ class WorkerProcess:
             settings.model_path if settings.engine == "vllm" else None)
         self.tokenizer = bundle_from_folder(tokenizer_path) if tokenizer_path else None
         """The model tokenizer this worker ships to the control plane; None = the byte one."""
-        self._coordinator_channel = open_channel(settings.coordinator_address, settings)
-        self._pool_channel = open_channel(settings.pool_address, settings)
+        self.credential = settings.worker_credential
+        """What this worker presents on its calls: its provisioner's credential, else the one
+        its pool returned at registration (joined by the join token alone)."""
+        credential = bearer_interceptors(lambda: self.credential or None)
+        self._coordinator_channel = open_channel(settings.coordinator_address, settings,
+                                                 interceptors=credential)
+        self._pool_channel = open_channel(settings.pool_address, settings,
+                                          interceptors=credential)
         self.control = GrpcControlPlane(self._coordinator_channel, settings.worker_id)
         self.pool = PoolClient(self._pool_channel, settings.join_token)
         config = AgentConfig(worker_id=settings.worker_id, deployment=settings.deployment,
@@ -121,7 +128,8 @@ class WorkerProcess:
         if settings.engine == "vllm":
             from pdserve.worker.engines.vllm.agents import create_vllm_agent
 
-            self.agent = create_vllm_agent(settings, config, kv_backend(settings), self.control)
+            self.agent = create_vllm_agent(settings, config, kv_backend(settings), self.control,
+                                           interceptors=credential)
         else:
             self.engine = build_engine(settings)
             self.agent = create_agent(config, self.engine, kv_backend(settings), self.control)
@@ -202,6 +210,7 @@ class WorkerProcess:
         self.address = f"{self.advertise_host}:{port}"
         response = await self.pool.register(self.describe(), self.settings.cold_start_s,
                                             self.tokenizer_pb())
+        self.credential = response.worker_credential or self.credential
         self.agent.config = dataclasses.replace(self.agent.config, worker_id=response.worker_id)
         self.control.worker_id = response.worker_id
         self.heartbeat_interval_s = max(0.05, response.heartbeat_interval_ms / 1000)
@@ -268,8 +277,9 @@ class WorkerProcess:
                     # again puts its own layout and limit in the pool's record (the first
                     # registration could only estimate them).
                     try:
-                        await self.pool.register(self.describe(), self.settings.cold_start_s,
-                                                 self.tokenizer_pb())
+                        response = await self.pool.register(
+                            self.describe(), self.settings.cold_start_s, self.tokenizer_pb())
+                        self.credential = response.worker_credential or self.credential
                     except PdserveError as exc:
                         logger.warning("could not refresh the registration: %s", exc.message)
                 logger.info("worker %s ready", self.agent.config.worker_id)

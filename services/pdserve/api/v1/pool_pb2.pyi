@@ -34,14 +34,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, join_token: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cold_start_s: _Optional[float] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerBundle, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_interval_ms", "heartbeat_ttl_ms")
+    __slots__ = ("worker_id", "heartbeat_interval_ms", "heartbeat_ttl_ms", "worker_credential")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_interval_ms: int
     heartbeat_ttl_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_ttl_ms: _Optional[int] = ...) -> None: ...
+    worker_credential: str
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_ttl_ms: _Optional[int] = ..., worker_credential: _Optional[str] = ...) -> None: ...
 
 class HeldBlocks(_message.Message):
     __slots__ = ("token", "num_blocks")
