@@ -382,10 +382,11 @@ async def test_a_worker_credential_acts_only_as_its_own_worker_id(tmp_path: Path
                 await stub.Heartbeat(pool_pb2.HeartbeatRequest(
                     worker_id="pod-7", join_token=settings.join_token), timeout=5)
             assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
-            await stub.Heartbeat(pool_pb2.HeartbeatRequest(
+            beat = await stub.Heartbeat(pool_pb2.HeartbeatRequest(
                 worker_id="pod-7", join_token=settings.join_token,
                 state=common_pb2.WORKER_STATE_READY), timeout=5,
                 metadata=bearer_metadata(joined.worker_credential))
+            assert beat.worker_credential == joined.worker_credential  # re-signed, same token
             await stub.Heartbeat(pool_pb2.HeartbeatRequest(
                 worker_id="w1", join_token=settings.join_token,
                 state=common_pb2.WORKER_STATE_READY), metadata=w1, timeout=5)

@@ -1,31 +1,52 @@
-"""Who may call what: client API keys, admin keys and mutual-TLS peer identities, checked by one
-gRPC server interceptor in front of every servicer.
+"""Who may call what: client API keys, admin keys, service tokens, worker credentials and
+mutual-TLS peer identities, checked by one gRPC server interceptor in front of every servicer.
 
-Credentials and the roles they give a call:
+Credentials and the roles they give a call (``authorization: Bearer <credential>`` metadata, or
+the peer's certificate):
 
-* ``authorization: Bearer <key>`` metadata whose key is in the **API key file** -> ``client``,
-  and the key's tenant becomes the call's tenant (``current_tenant()``, which the router puts
-  into ``GenerationRequest.tenant`` for per-tenant limits);
+* a key in the **API key file** -> ``client``, and the key's tenant becomes the call's tenant
+  (``current_tenant()``, which the router puts into ``GenerationRequest.tenant``);
 * a key in the **admin key file** -> ``admin`` (the operator API);
+* a token in the **service token file** (``service_tokens_path``) -> ``service``. Services
+  present the file's last token on all their internal channels (``grpc_client.open_channel``
+  adds it to every call that carries no authorization of its own);
+* a **worker credential** ``pdw1.<worker_id>.<hex HMAC-SHA256(service token, worker_id)>``
+  -> ``worker``, bound to that worker id: a call about another worker (``Register``,
+  ``Heartbeat``, ``Deregister`` naming another id) is refused with PERMISSION_DENIED
+  (``check_worker_id``). Only holders of a service token can make one; a worker never holds
+  the token. The pool's provisioners hand each worker they start its credential
+  (``PDSERVE_WORKER_CREDENTIAL``); a worker they cannot name (a Kubernetes Deployment's pod)
+  registers by the join token alone and gets it in ``RegisterResponse.worker_credential`` (such
+  a join may not take the id of a live worker);
 * the peer's **mTLS certificate**: its SPIFFE ID ``spiffe://pdserve.local/<kind>/<name>``
   (``pdserve.common.certs``) gives ``service`` or ``worker``; a certificate of kind ``client``
   or without a pdserve ID gives no role (the connection is allowed, the call still needs a key).
+  A worker certificate is not bound to a worker id (only a worker credential is).
 
-Open defaults, so that a laptop stack needs no set-up: with no API key file every caller counts
-as ``client`` (tenant ``""``); with no admin key file every caller counts as ``admin``; and a
-server **without mutual TLS** cannot tell services from anyone else, so every caller counts as
-``service`` and ``worker`` — the network is then the trust boundary, as for the KV data path in
-clear. Consequently only mutual TLS *and* both key files close every door; a server with keys
-but no mTLS logs a warning at start-up. The router's OpenAI HTTP API checks the same API key
-file (``bearer_tenant``: the ``Authorization`` header's bearer key, or 401).
+Defaults, precisely: with **nothing configured** (no API key file, no admin key file, no service
+token file, no mutual TLS) every caller has every role: the laptop stack needs no set-up and no
+interceptor runs. Otherwise: with no API key file every caller counts as ``client`` (tenant
+``""``); with no admin key file every caller counts as ``admin``; and nobody gets ``service``
+or ``worker`` without a service token, a worker credential or a service/worker certificate.
+So once any key file is configured without mutual TLS, every service needs
+``service_tokens_path`` (a server without it logs a warning: its internal methods refuse every
+caller); ``pdserve up`` generates one when keys are configured, compose and the Kubernetes
+manifests carry one. One exception keeps joining possible: without mutual TLS, ``Register``
+(``JOIN_METHODS``) may be called with no credential, because its join token is checked by the
+pool. The router's OpenAI HTTP API checks the same API key file (``bearer_tenant``: the
+``Authorization`` header's bearer key, or 401) and can serve HTTPS itself
+(``http_tls_cert_path``/``http_tls_key_path``).
 
 Method -> roles (``METHOD_ROLES``; a method missing from the table is refused, so a new RPC must
 be placed here before anyone can call it):
 
 ======================================================  ====================================
 RouterService: Generate, Cancel, ListModels              client, admin
-PoolService: Register, Heartbeat, Deregister             worker (Register/Heartbeat also need
-                                                         the join token, checked by the pool)
+PoolService: Register, Heartbeat, Deregister             worker, bound to its worker id
+                                                         (Register/Heartbeat also need the
+                                                         join token, checked by the pool;
+                                                         without mTLS Register needs no other
+                                                         credential)
 PoolService: Drain, SetTargetSize                        admin, service (the governor)
 PoolService: ListWorkers, WatchPool                      admin, service
 KvTransferService: OpenTicket                            service (the router)
@@ -44,18 +65,23 @@ WorkerAgentService: GetStatus, GetPerformanceProfile     service, admin
 grpc.health.v1.Health, server reflection                 anyone (no check)
 ======================================================  ====================================
 
-Refusals: a call with no usable credential (no key, no pdserve certificate) or with a key that is
-in no file gets ``UNAUTHENTICATED``; a caller whose roles do not include the method's gets
-``PERMISSION_DENIED`` (e.g. a client key on an admin method, a worker certificate on
-``SetTargetSize``).
+Refusals: a call with no usable credential (no key, no pdserve certificate) or with a key, token
+or worker credential that no file proves gets ``UNAUTHENTICATED``; a caller whose roles do not
+include the method's gets ``PERMISSION_DENIED`` (e.g. a client key on an admin method, a worker
+credential on ``SetTargetSize``), and so does a worker credential used for another worker id.
+Every refusal is counted in ``pdserve_grpc_auth_refused_calls_total{method, code}``.
 
 Key files hold one ``<key> <name>`` pair per line (``#`` starts a comment line, blank lines are
 ignored); a key has at least ``MIN_KEY_CHARS`` characters and no spaces, a name is a tenant (API
-keys) or an operator (admin keys). Files are re-read without a restart when their modification
-time, size or inode changes (checked at most every ``poll_interval_s`` on use); a file that
-fails to parse on reload is ignored with a warning and the previous keys stay. Keys are never
-logged; lookups compare SHA-256 digests, so lookup time does not depend on how much of a key
-matched.
+keys) or an operator (admin keys). The service token file holds one token per line, or a
+``sha256:<hex>`` line that lets a process check a token it cannot present (``pdserve up`` gives
+its workers' own servers such a file). Files are re-read without a restart when their
+modification time, size or inode changes (checked at most every ``poll_interval_s`` on use); a
+file that fails to parse on reload is ignored with a warning and the previous keys stay. Service
+token rotation: append the new token (it is presented from then on), then remove the old one;
+a removed token, and the worker credentials it signed, stay accepted for
+``service_token_grace_s`` and are refused after it. Keys are never logged; lookups compare
+SHA-256 digests, so lookup time does not depend on how much of a key matched.
 """
 
 from __future__ import annotations

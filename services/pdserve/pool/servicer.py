@@ -170,11 +170,17 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             num_moe_layers=request.num_moe_layers,
             tokenizer=tokenizer_from_pb(request),
         ))
+        principal = current_principal()
+        is_bound = principal is not None and principal.worker_id == request.worker_id
         return pool_pb2.HeartbeatResponse(
             should_drain=directives.should_drain,
             was_readopted=directives.was_readopted,
             should_send_full_prefix_report=directives.should_send_full_prefix_report,
             should_send_tokenizer=directives.should_send_tokenizer,
+            # Re-signed on every beat, so a worker moves to a rotated service token long
+            # before the old one's grace ends.
+            worker_credential=(self._mint_credential(request.worker_id)
+                               if is_bound and self._mint_credential else ""),
         )
 
     async def Deregister(

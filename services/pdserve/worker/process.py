@@ -253,6 +253,7 @@ class WorkerProcess:
                                              expert_counts, num_moe_layers, tokenizer)
         self._needs_full_prefix_report = response.should_send_full_prefix_report
         self._needs_tokenizer_sent = response.should_send_tokenizer
+        self.credential = response.worker_credential or self.credential
         if response.should_drain:
             self.agent.begin_drain("pool manager asked")
 
