@@ -12,12 +12,14 @@ the peer's certificate):
   adds it to every call that carries no authorization of its own);
 * a **worker credential** ``pdw1.<worker_id>.<hex HMAC-SHA256(service token, worker_id)>``
   -> ``worker``, bound to that worker id: a call about another worker (``Register``,
-  ``Heartbeat``, ``Deregister`` naming another id) is refused with PERMISSION_DENIED
-  (``check_worker_id``). Only holders of a service token can make one; a worker never holds
-  the token. The pool's provisioners hand each worker they start its credential
+  ``Heartbeat``, ``Deregister`` naming another id; a ticket call on a ticket that names neither
+  as its prefill nor its decode worker) is refused with PERMISSION_DENIED (``check_worker_id``,
+  the coordinator's servicer). Only holders of a service token can make one; a worker never
+  holds the token. The pool's provisioners hand each worker they start its credential
   (``PDSERVE_WORKER_CREDENTIAL``); a worker they cannot name (a Kubernetes Deployment's pod)
   registers by the join token alone and gets it in ``RegisterResponse.worker_credential`` (such
-  a join may not take the id of a live worker);
+  a join may not take the id of a live worker). Every heartbeat returns it re-signed with the
+  newest token (``HeartbeatResponse.worker_credential``), so workers follow a rotation;
 * the peer's **mTLS certificate**: its SPIFFE ID ``spiffe://pdserve.local/<kind>/<name>``
   (``pdserve.common.certs``) gives ``service`` or ``worker``; a certificate of kind ``client``
   or without a pdserve ID gives no role (the connection is allowed, the call still needs a key).
