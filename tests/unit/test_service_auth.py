@@ -403,3 +403,28 @@ async def test_a_worker_credential_acts_only_as_its_own_worker_id(tmp_path: Path
         await app.manager.close()
         await backend.close()
     assert _refusals("permission_denied") - before == 6
+
+
+# ------------------------------------------------------------------------------ pdserve up
+
+
+def test_up_wires_a_service_token_only_when_keys_need_one(tmp_path: Path) -> None:
+    from pdserve.cli.up import UpSettings, internal_credentials, write_token_digests
+
+    open_stack, workers_file = internal_credentials(UpSettings(), tmp_path)
+    assert open_stack.service_tokens_path is None and workers_file is None
+    (tmp_path / "admin").write_text(f"{ADMIN_KEY} ops\n")
+    locked, workers_file = internal_credentials(
+        UpSettings(admin_keys_path=tmp_path / "admin"), tmp_path)
+    assert locked.service_tokens_path is not None and workers_file is not None
+    services = ServiceTokens(Path(locked.service_tokens_path))
+    workers = ServiceTokens(workers_file)
+    token = services.presented()
+    assert token is not None and workers.is_valid(token)
+    assert workers.presented() is None  # a worker can check a service's token, not present it
+    assert token not in workers_file.read_text()
+    # A rotation of the services' file reaches the workers' copy.
+    _write(Path(locked.service_tokens_path), f"{token}\n{NEW_SERVICE_TOKEN}\n")
+    assert write_token_digests(Path(locked.service_tokens_path), workers_file)
+    assert not write_token_digests(Path(locked.service_tokens_path), workers_file)
+    assert ServiceTokens(workers_file).is_valid(NEW_SERVICE_TOKEN)

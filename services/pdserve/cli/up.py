@@ -215,8 +215,6 @@ def internal_credentials(settings: UpSettings, directory: Path) -> tuple[UpSetti
     (verify-only ``sha256:`` lines) for the workers' own servers, so that a worker can check a
     service's calls but not act as one. Returns the settings to run with and the workers' file
     (None: nothing to wire)."""
-    from pdserve.common.auth import DIGEST_PREFIX, parse_service_token_file, token_digest_line
-
     tls = settings.tls
     is_mutual = tls is not None and tls.cert_path is not None and tls.ca_path is not None
     has_keys = settings.api_keys_path is not None or settings.admin_keys_path is not None
@@ -228,13 +226,40 @@ def internal_credentials(settings: UpSettings, directory: Path) -> tuple[UpSetti
         tokens_path.chmod(0o600)
         settings = dataclasses.replace(settings, service_tokens_path=tokens_path)
     assert settings.service_tokens_path is not None
-    tokens = parse_service_token_file(Path(settings.service_tokens_path).read_text(),
-                                      str(settings.service_tokens_path))
     digests_path = directory / "service-token-digests"
-    digests_path.write_text("".join(
-        (token_digest_line(t.raw) if t.raw is not None else DIGEST_PREFIX + t.digest.hex())
-        + "\n" for t in tokens))
+    write_token_digests(Path(settings.service_tokens_path), digests_path)
     return settings, digests_path
+
+
+def write_token_digests(source: Path, digests: Path) -> bool:
+    """Write the verify-only copy of the service token file ``source`` to ``digests`` if it
+    differs; True when written. Raises ``ConfigError`` for a bad ``source``."""
+    from pdserve.common.auth import DIGEST_PREFIX, parse_service_token_file
+
+    tokens = parse_service_token_file(source.read_text(), str(source))
+    text = "".join(DIGEST_PREFIX + token.digest.hex() + "\n" for token in tokens)
+    if digests.exists() and digests.read_text() == text:
+        return False
+    partial = digests.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(digests)  # a reader never sees half a file
+    return True
+
+
+async def follow_service_tokens(source: Path, digests: Path, stop: asyncio.Event,
+                                interval_s: float = 1.0) -> None:
+    """Keep the workers' verify-only copy in step with a rotated ``source`` until ``stop``."""
+    from pdserve.common.errors import ConfigError
+
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+        except TimeoutError:
+            pass
+        try:
+            write_token_digests(source, digests)
+        except (OSError, ConfigError):
+            continue  # a bad edit: the services keep their tokens too (ServiceTokens.refresh)
 
 
 async def _up(settings: UpSettings) -> int:
@@ -282,6 +307,7 @@ async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int
     env.pop("PDSERVE_SERVICE_TOKENS_PATH", None)  # workers never hold a service token
     if worker_tokens_path is not None:
         env["PDSERVE_SERVICE_TOKENS_PATH"] = str(worker_tokens_path)
+        env["PDSERVE_SERVICE_TOKEN_GRACE_S"] = str(settings.service_token_grace_s)
     service_tokens = load_service_tokens(settings)
     mint = service_tokens.mint_worker_credential if service_tokens is not None else None
     server = GrpcServer.from_settings(settings)
@@ -389,6 +415,10 @@ async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int
     for pool in pools.values():
         pool.manager._provisioner.base_args = [*worker_args, *worker_tls_args(settings)]  # type: ignore[union-attr]
     coordinator.start()
+    follower = None
+    if worker_tokens_path is not None and settings.service_tokens_path is not None:
+        follower = asyncio.create_task(follow_service_tokens(
+            Path(settings.service_tokens_path), worker_tokens_path, stop))
     for pool in pools.values():
         await pool.start()
     await router.start()
@@ -421,6 +451,8 @@ async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int
         await server.stop(2.0)
         await router.close()
         await governor.close()
+        if follower is not None:
+            follower.cancel()
         await coordinator.close()
         await stores.close()
         if durable is not None:
