@@ -835,6 +835,10 @@ def auth_interceptor(settings: CommonSettings) -> AuthInterceptor | None:
         logger.warning("keys are set but there is neither mutual TLS nor a service token file: "
                        "internal methods (workers, services) refuse every caller on %s; set "
                        "service_tokens_path on every service", settings.grpc_address)
+    if authenticator.admin_keys is None and not is_mutual:
+        logger.warning("no admin key file: the operator methods (Drain, SetTargetSize, "
+                       "SetAutoscalerControls, ...) are open to every caller on %s",
+                       settings.grpc_address)
     return AuthInterceptor(authenticator)
 
 
