@@ -836,9 +836,9 @@ def auth_interceptor(settings: CommonSettings) -> AuthInterceptor | None:
                        "internal methods (workers, services) refuse every caller on %s; set "
                        "service_tokens_path on every service", settings.grpc_address)
     if authenticator.admin_keys is None and not is_mutual:
-        logger.warning("no admin key file: the operator methods (Drain, SetTargetSize, "
-                       "SetAutoscalerControls, ...) are open to every caller on %s",
-                       settings.grpc_address)
+        logger.info("no admin key file: the operator methods this server has (Drain, "
+                    "SetTargetSize, SetAutoscalerControls, GetStatus, ...) are open to every "
+                    "caller on %s", settings.grpc_address)
     return AuthInterceptor(authenticator)
 
 
