@@ -1,6 +1,7 @@
 """The client commands against a stack that requires API keys: refused without a key, served
-with one given as a flag or in the environment. (Without mutual TLS the operator methods are
-not locked to admin keys; tests/integration/test_tls_e2e.py covers the locked-down stack.)"""
+with one given as a flag or in the environment. Without mutual TLS the internal and operator
+methods are locked too (``pdserve up`` wires a generated service token and worker
+credentials); tests/integration/test_tls_e2e.py covers the mTLS stack."""
 
 from __future__ import annotations
 
@@ -39,6 +40,23 @@ def test_generate_and_status_carry_api_keys(tmp_path: Path) -> None:
                     "--model", "llama-3.1-8b", "--max-tokens", "3"]
         refused = _run(*generate)
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+        # No open doors without mTLS: an unauthenticated SetTargetSize of the decode pool to 0
+        # (once accepted, it drained every decode worker) and a client key on it are refused.
+        import grpc
+
+        from pdserve.api.v1 import common_pb2, pool_pb2, pool_pb2_grpc
+        from pdserve.common.auth import bearer_metadata
+
+        with grpc.insecure_channel(address) as channel:
+            pool = pool_pb2_grpc.PoolServiceStub(channel)
+            request = pool_pb2.SetTargetSizeRequest(
+                deployment="llama-3.1-8b", role=common_pb2.WORKER_ROLE_DECODE, num_workers=0)
+            for metadata, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                                   (bearer_metadata(CLIENT_KEY),
+                                    grpc.StatusCode.PERMISSION_DENIED)):
+                with pytest.raises(grpc.RpcError) as caught:
+                    pool.SetTargetSize(request, metadata=metadata, timeout=10)
+                assert caught.value.code() is code
         served = _run(*generate, "--api-key", CLIENT_KEY)
         assert served.returncode == 0, served.stderr
         assert "3 tokens" in served.stderr

@@ -36,18 +36,29 @@ from .faults import (
     settled_idle_ledgers,
     summary,
     wait_router_sees,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 HOUR_S = 3600.0
+MAX_PREFILL_STALL_S = 1.0
 WORKER_ARGS = ("--speedup", "1", "--num-kv-layers", "4", "--max-num-blocks", "1024",
-               "--kv-scale", "0.5")
+               "--kv-scale", "0.5", "--test-prefill-hold-signals", "true",
+               "--max-prefill-stall-s", str(MAX_PREFILL_STALL_S))
 """Half the real KV size: a layer of a 1,000-token prompt is about 4 MB, more than a socket
-buffer holds, so a frozen sender stops in the middle of one."""
+buffer holds, so a frozen sender stops in the middle of one. SIGUSR1/SIGUSR2 hold and release
+a worker's prefill loop (the stalled-loop test)."""
 LEASE_S = 2.0
 IDLE_S = 3.0
 """The router's stream idle timeout: a frozen decode stream ends after this long."""
+
+
+def _queued_tickets(worker: ServiceProcess) -> set[str]:
+    with grpc.insecure_channel(worker.grpc_address) as channel:
+        status = worker_pb2_grpc.WorkerAgentServiceStub(channel).GetStatus(
+            worker_pb2.GetStatusRequest(), timeout=5)
+    return {t.token.ticket_id for t in status.tickets if t.phase == "queued"}
 
 
 def _refused_frames(workers: list[ServiceProcess]) -> int:
@@ -140,6 +151,46 @@ async def test_a_frozen_decode_worker_ends_its_streams_cleanly_and_is_taken_back
     assert failed, "no stream was on the frozen worker"
     assert all(o.num_tokens > 0 and o.code == "DEADLINE_EXCEEDED" for o in failed), failed[:3]
     assert all(o.ended_s - o.started_s < HANG_S / 2 for o in failed)
+    await asyncio.to_thread(wait_router_sees, stack.routers[0], 2, 2, 30.0)
+    report = await settled_audit(stack)
+    assert report.is_ok, report
+    assert not await settled_idle_ledgers(stack)
+
+
+async def test_a_stalled_prefill_loop_lets_its_queued_leases_lapse_and_the_requests_retry(
+        stack: Stack) -> None:
+    """The prefill loop of a live worker stops advancing (held: as a hung engine or transport
+    would hold it) while its heartbeats go on, so the pool keeps it READY. Its queued prompts'
+    leases are no longer renewed once the loop has not advanced for ``MAX_PREFILL_STALL_S``:
+    the coordinator expires those tickets within a lease, tells the worker (they leave its
+    queue while the loop is still held) and the router retries the requests elsewhere; none
+    hangs. Before the watermark, renewal on the heartbeat kept them queued for as long as the
+    loop hung."""
+    victim = stack.prefill_workers[0]
+    load = Load(stack.router_addresses, concurrency=4, max_tokens=8,
+                prompt_tokens=(200, 600)).start()
+    try:
+        os.killpg(victim.pid, signal.SIGUSR1)
+        await asyncio.to_thread(catch_in_phase, [victim], "queued")
+        stuck = await asyncio.to_thread(_queued_tickets, victim)
+        assert stuck
+        # Stall bound + one lease + the reaper's pass; far inside the hang bound.
+        bound_s = MAX_PREFILL_STALL_S + 3 * LEASE_S + 2.0
+        is_gone = await asyncio.to_thread(
+            wait_until, lambda: not (_queued_tickets(victim) & stuck), bound_s)
+        assert is_gone, f"queued tickets {stuck} still queued after {bound_s:.0f} s of stall"
+    finally:
+        os.killpg(victim.pid, signal.SIGUSR2)
+    outcomes = await load.stop()
+    print(f"stalled prefill loop: {summary(outcomes)} {failure_reasons(outcomes)}")
+
+    assert summary(outcomes)["completed"] > 0
+    assert_clean(outcomes)
+    assert all(o.ended_s - o.started_s < HANG_S / 2 for o in outcomes)
+    expired = [line for line in stack.coordinators[0].lines if "expired" in line]
+    assert any(ticket_id in line for line in expired for ticket_id in stuck), (
+        "no queued ticket of the stalled loop expired on the coordinator")
+    assert "prefill loop stalled" in victim.output
     await asyncio.to_thread(wait_router_sees, stack.routers[0], 2, 2, 30.0)
     report = await settled_audit(stack)
     assert report.is_ok, report

@@ -76,6 +76,16 @@ def test_control_plane_has_replicas_probes_services_and_budgets(overlay: str) ->
         assert "PDSERVE_DATABASE_URL" in env
     assert "ConfigMap" in {o["kind"] for o in objects} and "pdserve-secrets" in by_kind(
         objects, "Secret")
+    # Without mutual TLS the internal methods need the service token: every control-plane
+    # service reads it from the mounted Secret (worker pods get credentials at registration).
+    settings = next(o for o in objects if o["kind"] == "ConfigMap"
+                    and o["metadata"]["name"] == "pdserve-settings")["data"]
+    token_path = settings["PDSERVE_SERVICE_TOKENS_PATH"]
+    assert token_path.rpartition("/")[2] in by_kind(objects, "Secret")["pdserve-secrets"][
+        "stringData"]
+    for name in CONTROL_PLANE:
+        mounts = [m["mountPath"] for m in container(deployments[name])["volumeMounts"]]
+        assert any(token_path.startswith(mount + "/") for mount in mounts), name
     assert "pdserve-db-upgrade" in by_kind(objects, "Job")
 
 

@@ -175,9 +175,11 @@ def test_authenticator_roles(tmp_path: Path) -> None:
     for bad in (OTHER_CLIENT_KEY, ""):
         with pytest.raises(UnauthenticatedError):
             strict.authenticate(bad, None)
-    # Without mTLS nothing tells a service from anyone: internal roles for all, keys still count.
+    # Without mTLS, once any key is configured the internal roles need a service token or a
+    # worker credential: a caller without one gets only what no key file guards (admin here).
     keys_only = Authenticator(KeyFile(tmp_path / "api"), None, is_mutual_tls=False)
-    assert keys_only.authenticate(None, None).roles == {Role.ADMIN, Role.SERVICE, Role.WORKER}
+    assert keys_only.authenticate(None, None).roles == {Role.ADMIN}
+    # Nothing configured at all: the laptop default, every role for everyone.
     assert Authenticator(None, None, is_mutual_tls=False).is_open
     assert auth_interceptor(CommonSettings()) is None
 

@@ -73,6 +73,11 @@ def test_every_command_parses_into_valid_settings(name: str,
     settings = _settings(service["command"], service["environment"], monkeypatch)
     assert settings.grpc_host == "0.0.0.0"
     assert settings.redis_url.startswith("redis://redis:")
+    # Admin keys without mutual TLS: the internal methods need the generated service token.
+    assert settings.admin_keys_path is not None
+    assert settings.service_tokens_path is not None
+    assert settings.service_tokens_path.name in (
+        ROOT / "infra/compose/init-secrets.sh").read_text()
 
 
 @pytest.mark.parametrize("name", ["prefill-pool", "decode-pool", "vllm-prefill-pool",

@@ -131,6 +131,9 @@ class QueueingPrefill(_Runtime):
     def abort(self, token: FencingToken, reason: str) -> None:
         self.aborted[token] = reason
 
+    def progress_stall_s(self) -> float:
+        return 0.0
+
     def take_prefix_delta(self) -> tuple[list[int], list[int]]:
         return [1], []
 

@@ -80,6 +80,9 @@ class UpSettings(CommonSettings):
     vllm_kv_cache_gib: int = setting(
         1, parser=int_range(1, 4096),
         help="vllm engine, CPU build: GiB of KV cache per worker.")
+    http_tls_cert_path: Path | None = setting(
+        None, help="PEM certificate the HTTP API serves HTTPS with; unset: plain HTTP.")
+    http_tls_key_path: Path | None = setting(None, help="PEM private key of http_tls_cert_path.")
     join_token: str = setting(
         "", help="Worker join token; empty = a fresh random one.", is_secret=True
     )
@@ -205,7 +208,70 @@ def worker_tls_args(settings: UpSettings) -> list[str]:
     return args
 
 
+def internal_credentials(settings: UpSettings, directory: Path) -> tuple[UpSettings, Path | None]:
+    """With keys configured and no mutual TLS, the stack's internal calls need credentials
+    (``pdserve.common.auth``): a fresh service token in ``directory/service-tokens`` (unless
+    ``service_tokens_path`` names one) for the services, and ``directory/service-token-digests``
+    (verify-only ``sha256:`` lines) for the workers' own servers, so that a worker can check a
+    service's calls but not act as one. Returns the settings to run with and the workers' file
+    (None: nothing to wire)."""
+    tls = settings.tls
+    is_mutual = tls is not None and tls.cert_path is not None and tls.ca_path is not None
+    has_keys = settings.api_keys_path is not None or settings.admin_keys_path is not None
+    if settings.service_tokens_path is None and (is_mutual or not has_keys):
+        return settings, None
+    if settings.service_tokens_path is None:
+        tokens_path = directory / "service-tokens"
+        tokens_path.write_text(secrets.token_hex(24) + "\n")
+        tokens_path.chmod(0o600)
+        settings = dataclasses.replace(settings, service_tokens_path=tokens_path)
+    assert settings.service_tokens_path is not None
+    digests_path = directory / "service-token-digests"
+    write_token_digests(Path(settings.service_tokens_path), digests_path)
+    return settings, digests_path
+
+
+def write_token_digests(source: Path, digests: Path) -> bool:
+    """Write the verify-only copy of the service token file ``source`` to ``digests`` if it
+    differs; True when written. Raises ``ConfigError`` for a bad ``source``."""
+    from pdserve.common.auth import DIGEST_PREFIX, parse_service_token_file
+
+    tokens = parse_service_token_file(source.read_text(), str(source))
+    text = "".join(DIGEST_PREFIX + token.digest.hex() + "\n" for token in tokens)
+    if digests.exists() and digests.read_text() == text:
+        return False
+    partial = digests.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(digests)  # a reader never sees half a file
+    return True
+
+
+async def follow_service_tokens(source: Path, digests: Path, stop: asyncio.Event,
+                                interval_s: float = 1.0) -> None:
+    """Keep the workers' verify-only copy in step with a rotated ``source`` until ``stop``."""
+    from pdserve.common.errors import ConfigError
+
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+        except TimeoutError:
+            pass
+        try:
+            write_token_digests(source, digests)
+        except (OSError, ConfigError):
+            continue  # a bad edit: the services keep their tokens too (ServiceTokens.refresh)
+
+
 async def _up(settings: UpSettings) -> int:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as directory:
+        settings, worker_tokens_path = internal_credentials(settings, Path(directory))
+        return await _up_with(settings, worker_tokens_path)
+
+
+async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int:
+    from pdserve.common.auth import load_service_tokens
     from pdserve.common.grpc_server import GrpcServer
     from pdserve.common.runtime import setup_process, stop_on_signals
     from pdserve.common.types import WorkerRole
@@ -238,6 +304,12 @@ async def _up(settings: UpSettings) -> int:
                            settings.service_name, migrate=True)
     join_token = settings.join_token or secrets.token_hex(16)
     env = dict(os.environ, PDSERVE_JOIN_TOKEN=join_token)
+    env.pop("PDSERVE_SERVICE_TOKENS_PATH", None)  # workers never hold a service token
+    if worker_tokens_path is not None:
+        env["PDSERVE_SERVICE_TOKENS_PATH"] = str(worker_tokens_path)
+        env["PDSERVE_SERVICE_TOKEN_GRACE_S"] = str(settings.service_token_grace_s)
+    service_tokens = load_service_tokens(settings)
+    mint = service_tokens.mint_worker_credential if service_tokens is not None else None
     server = GrpcServer.from_settings(settings)
 
     coordinator = CoordinatorApp(stores.backend, time.time, CoordinatorPolicy(),
@@ -256,12 +328,14 @@ async def _up(settings: UpSettings) -> int:
             is_provisioning=True,
             initial_target_size=count,
             grpc_port=settings.grpc_port,
+            service_tokens_path=settings.service_tokens_path,
+            service_token_grace_s=settings.service_token_grace_s,
         )
         pools[role] = PoolApp(pool_settings, stores.backend, stores.prefix_index, time.time,
-                              LocalProcessProvisioner(env=env),
+                              LocalProcessProvisioner(env=env, worker_credential=mint),
                               LifecycleSinkAdapter(durable) if durable else None)
     PoolServicerAll = PoolServicer({r: p.manager for r, p in pools.items()}, stores.backend.workers,
-                                   stores.backend.events)
+                                   stores.backend.events, mint_credential=mint)
     from pdserve.api.v1 import pool_pb2_grpc
     from pdserve.pool.servicer import SERVICE_NAME as POOL_SERVICE
 
@@ -270,6 +344,8 @@ async def _up(settings: UpSettings) -> int:
     )
     router_settings = RouterSettings(
         http_host=settings.grpc_host, http_port=settings.http_port,
+        http_tls_cert_path=settings.http_tls_cert_path,
+        http_tls_key_path=settings.http_tls_key_path,
         coordinator_address="127.0.0.1:1", transport=settings.transport,
         tls_cert_path=settings.tls_cert_path, tls_key_path=settings.tls_key_path,
         tls_ca_path=settings.tls_ca_path, api_keys_path=settings.api_keys_path,
@@ -280,6 +356,8 @@ async def _up(settings: UpSettings) -> int:
         shed_ttft_fraction=settings.shed_ttft_fraction, fair_share_onset=settings.fair_share_onset,
         max_pending_requests=settings.max_pending_requests, tenant_share=settings.tenant_share,
         tenant_max_in_flight=settings.tenant_max_in_flight, tenant_weights=settings.tenant_weights,
+        service_tokens_path=settings.service_tokens_path,
+        service_token_grace_s=settings.service_token_grace_s,
     )
     router = RouterApp(router_settings, stores.backend, stores.prefix_index,
                        LocalTicketClient(coordinator.coordinator),
@@ -298,7 +376,9 @@ async def _up(settings: UpSettings) -> int:
                          autoscale_speedup=settings.speedup,
                          autoscale_max_num_blocks=settings.max_num_blocks,
                          is_autoscaler_dry_run=not settings.is_autoscaling,
-                         redis_url=settings.redis_url, database_url=settings.database_url),
+                         redis_url=settings.redis_url, database_url=settings.database_url,
+                         service_tokens_path=settings.service_tokens_path,
+                         service_token_grace_s=settings.service_token_grace_s),
         durable, stores.backend,
         target_setter=ManagerTargetSetter({role: pool.manager for role, pool in pools.items()}))
     governor.register(server)
@@ -335,13 +415,17 @@ async def _up(settings: UpSettings) -> int:
     for pool in pools.values():
         pool.manager._provisioner.base_args = [*worker_args, *worker_tls_args(settings)]  # type: ignore[union-attr]
     coordinator.start()
+    follower = None
+    if worker_tokens_path is not None and settings.service_tokens_path is not None:
+        follower = asyncio.create_task(follow_service_tokens(
+            Path(settings.service_tokens_path), worker_tokens_path, stop))
     for pool in pools.values():
         await pool.start()
     await router.start()
     governor.start()
     _announce(f"grpc {address}")
     if router.http_port:
-        _announce(f"http http://{settings.grpc_host}:{router.http_port}")
+        _announce(f"http {router.http_scheme}://{settings.grpc_host}:{router.http_port}")
     try:
         started = time.monotonic()
         while not stop.is_set():
@@ -367,6 +451,8 @@ async def _up(settings: UpSettings) -> int:
         await server.stop(2.0)
         await router.close()
         await governor.close()
+        if follower is not None:
+            follower.cancel()
         await coordinator.close()
         await stores.close()
         if durable is not None:

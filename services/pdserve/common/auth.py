@@ -1,31 +1,54 @@
-"""Who may call what: client API keys, admin keys and mutual-TLS peer identities, checked by one
-gRPC server interceptor in front of every servicer.
+"""Who may call what: client API keys, admin keys, service tokens, worker credentials and
+mutual-TLS peer identities, checked by one gRPC server interceptor in front of every servicer.
 
-Credentials and the roles they give a call:
+Credentials and the roles they give a call (``authorization: Bearer <credential>`` metadata, or
+the peer's certificate):
 
-* ``authorization: Bearer <key>`` metadata whose key is in the **API key file** -> ``client``,
-  and the key's tenant becomes the call's tenant (``current_tenant()``, which the router puts
-  into ``GenerationRequest.tenant`` for per-tenant limits);
+* a key in the **API key file** -> ``client``, and the key's tenant becomes the call's tenant
+  (``current_tenant()``, which the router puts into ``GenerationRequest.tenant``);
 * a key in the **admin key file** -> ``admin`` (the operator API);
+* a token in the **service token file** (``service_tokens_path``) -> ``service``. Services
+  present the file's last token on all their internal channels (``grpc_client.open_channel``
+  adds it to every call that carries no authorization of its own);
+* a **worker credential** ``pdw1.<worker_id>.<hex HMAC-SHA256(service token, worker_id)>``
+  -> ``worker``, bound to that worker id: a call about another worker (``Register``,
+  ``Heartbeat``, ``Deregister`` naming another id; a ticket call on a ticket that names neither
+  as its prefill nor its decode worker) is refused with PERMISSION_DENIED (``check_worker_id``,
+  the coordinator's servicer). Only holders of a service token can make one; a worker never
+  holds the token. The pool's provisioners hand each worker they start its credential
+  (``PDSERVE_WORKER_CREDENTIAL``); a worker they cannot name (a Kubernetes Deployment's pod)
+  registers by the join token alone and gets it in ``RegisterResponse.worker_credential`` (such
+  a join may not take the id of a live worker). Every heartbeat returns it re-signed with the
+  newest token (``HeartbeatResponse.worker_credential``), so workers follow a rotation;
 * the peer's **mTLS certificate**: its SPIFFE ID ``spiffe://pdserve.local/<kind>/<name>``
   (``pdserve.common.certs``) gives ``service`` or ``worker``; a certificate of kind ``client``
   or without a pdserve ID gives no role (the connection is allowed, the call still needs a key).
+  A worker certificate is not bound to a worker id (only a worker credential is).
 
-Open defaults, so that a laptop stack needs no set-up: with no API key file every caller counts
-as ``client`` (tenant ``""``); with no admin key file every caller counts as ``admin``; and a
-server **without mutual TLS** cannot tell services from anyone else, so every caller counts as
-``service`` and ``worker`` — the network is then the trust boundary, as for the KV data path in
-clear. Consequently only mutual TLS *and* both key files close every door; a server with keys
-but no mTLS logs a warning at start-up. The router's OpenAI HTTP API checks the same API key
-file (``bearer_tenant``: the ``Authorization`` header's bearer key, or 401).
+Defaults, precisely: with **nothing configured** (no API key file, no admin key file, no service
+token file, no mutual TLS) every caller has every role: the laptop stack needs no set-up and no
+interceptor runs. Otherwise: with no API key file every caller counts as ``client`` (tenant
+``""``); with no admin key file every caller counts as ``admin``; and nobody gets ``service``
+or ``worker`` without a service token, a worker credential or a service/worker certificate.
+So once any key file is configured without mutual TLS, every service needs
+``service_tokens_path`` (a server without it logs a warning: its internal methods refuse every
+caller); ``pdserve up`` generates one when keys are configured, compose and the Kubernetes
+manifests carry one. One exception keeps joining possible: without mutual TLS, ``Register``
+(``JOIN_METHODS``) may be called with no credential, because its join token is checked by the
+pool. The router's OpenAI HTTP API checks the same API key file (``bearer_tenant``: the
+``Authorization`` header's bearer key, or 401) and can serve HTTPS itself
+(``http_tls_cert_path``/``http_tls_key_path``).
 
 Method -> roles (``METHOD_ROLES``; a method missing from the table is refused, so a new RPC must
 be placed here before anyone can call it):
 
 ======================================================  ====================================
 RouterService: Generate, Cancel, ListModels              client, admin
-PoolService: Register, Heartbeat, Deregister             worker (Register/Heartbeat also need
-                                                         the join token, checked by the pool)
+PoolService: Register, Heartbeat, Deregister             worker, bound to its worker id
+                                                         (Register/Heartbeat also need the
+                                                         join token, checked by the pool;
+                                                         without mTLS Register needs no other
+                                                         credential)
 PoolService: Drain, SetTargetSize                        admin, service (the governor)
 PoolService: ListWorkers, WatchPool                      admin, service
 KvTransferService: OpenTicket                            service (the router)
@@ -44,18 +67,23 @@ WorkerAgentService: GetStatus, GetPerformanceProfile     service, admin
 grpc.health.v1.Health, server reflection                 anyone (no check)
 ======================================================  ====================================
 
-Refusals: a call with no usable credential (no key, no pdserve certificate) or with a key that is
-in no file gets ``UNAUTHENTICATED``; a caller whose roles do not include the method's gets
-``PERMISSION_DENIED`` (e.g. a client key on an admin method, a worker certificate on
-``SetTargetSize``).
+Refusals: a call with no usable credential (no key, no pdserve certificate) or with a key, token
+or worker credential that no file proves gets ``UNAUTHENTICATED``; a caller whose roles do not
+include the method's gets ``PERMISSION_DENIED`` (e.g. a client key on an admin method, a worker
+credential on ``SetTargetSize``), and so does a worker credential used for another worker id.
+Every refusal is counted in ``pdserve_grpc_auth_refused_calls_total{method, code}``.
 
 Key files hold one ``<key> <name>`` pair per line (``#`` starts a comment line, blank lines are
 ignored); a key has at least ``MIN_KEY_CHARS`` characters and no spaces, a name is a tenant (API
-keys) or an operator (admin keys). Files are re-read without a restart when their modification
-time, size or inode changes (checked at most every ``poll_interval_s`` on use); a file that
-fails to parse on reload is ignored with a warning and the previous keys stay. Keys are never
-logged; lookups compare SHA-256 digests, so lookup time does not depend on how much of a key
-matched.
+keys) or an operator (admin keys). The service token file holds one token per line, or a
+``sha256:<hex>`` line that lets a process check a token it cannot present (``pdserve up`` gives
+its workers' own servers such a file). Files are re-read without a restart when their
+modification time, size or inode changes (checked at most every ``poll_interval_s`` on use); a
+file that fails to parse on reload is ignored with a warning and the previous keys stay. Service
+token rotation: append the new token (it is presented from then on), then remove the old one;
+a removed token, and the worker credentials it signed, stay accepted for
+``service_token_grace_s`` and are refused after it. Keys are never logged; lookups compare
+SHA-256 digests, so lookup time does not depend on how much of a key matched.
 """
 
 from __future__ import annotations
@@ -64,6 +92,7 @@ import contextvars
 import enum
 import functools
 import hashlib
+import hmac
 import inspect
 import logging
 import re
@@ -78,6 +107,7 @@ import grpc
 from pdserve.common.certs import PeerKind, parse_spiffe_id
 from pdserve.common.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
 from pdserve.common.grpc_handlers import wrap_handler
+from pdserve.common.metrics import counter
 from pdserve.common.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
@@ -131,6 +161,12 @@ PUBLIC_SERVICE_PREFIXES = (
     "/grpc.reflection.v1.ServerReflection/",
 )
 """Methods nobody needs a credential for: load balancers probe health; the schema is public."""
+
+
+JOIN_METHODS = frozenset({"/pdserve.api.v1.PoolService/Register"})
+"""Without mutual TLS, a caller with no credential may still call these: the join token in the
+request admits it (the pool checks it, refuses a live worker's id, and returns a worker
+credential that names the id it registered)."""
 
 
 def is_public(method: str) -> bool:
@@ -320,6 +356,207 @@ class TokenFile:
         return self._tokens
 
 
+# ------------------------------------------------------------ service tokens, worker credentials
+
+DIGEST_PREFIX = "sha256:"
+WORKER_CREDENTIAL_PREFIX = "pdw1."
+_WORKER_MAC_CONTEXT = b"pdserve-worker-credential-v1\0"
+
+
+def token_digest_line(token: str) -> str:
+    """The verify-only line of a service token file for ``token``: ``sha256:<hex>``. A process
+    whose file holds only such lines checks service tokens but cannot present or sign one (a
+    worker's own server)."""
+    return DIGEST_PREFIX + _digest(token).hex()
+
+
+@dataclass(frozen=True, slots=True)
+class _ServiceToken:
+    digest: bytes
+    raw: str | None
+    """None for a verify-only (``sha256:``) line."""
+
+
+def parse_service_token_file(text: str, source: str) -> list[_ServiceToken]:
+    """Lines of a service token file: a token (at least ``MIN_KEY_CHARS`` characters, no
+    spaces) or ``sha256:<64 hex>``; ``#`` comment lines and blank lines are ignored. Raises
+    ``ConfigError`` naming ``source`` and the line (never the token)."""
+    tokens: list[_ServiceToken] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if len(stripped.split()) != 1:
+            raise ConfigError(f"{source}:{number}: expected one token per line")
+        if stripped.startswith(DIGEST_PREFIX):
+            try:
+                digest = bytes.fromhex(stripped[len(DIGEST_PREFIX):])
+            except ValueError:
+                digest = b""
+            if len(digest) != hashlib.sha256().digest_size:
+                raise ConfigError(f"{source}:{number}: expected sha256:<64 hex digits>")
+            tokens.append(_ServiceToken(digest, None))
+            continue
+        if len(stripped) < MIN_KEY_CHARS:
+            raise ConfigError(f"{source}:{number}: token shorter than {MIN_KEY_CHARS} characters")
+        if stripped.startswith(WORKER_CREDENTIAL_PREFIX):
+            raise ConfigError(f"{source}:{number}: a service token may not start with "
+                              f"{WORKER_CREDENTIAL_PREFIX!r} (the worker credential form)")
+        tokens.append(_ServiceToken(_digest(stripped), stripped))
+    if not tokens:
+        raise ConfigError(f"{source}: no token in the file")
+    return tokens
+
+
+class ServiceTokens:
+    """The service token file: the tokens services present to each other (``authorization:
+    Bearer <token>`` on their internal channels) and the keys that sign worker credentials.
+
+    Re-read without a restart like a key file (``KeyFile``). Rotation: append the new token
+    (services present and sign with the **last** token of the file), let every service pick it
+    up, then remove the old one; a removed token stays accepted for ``grace_s`` seconds after
+    the reload that removed it, then it is refused (so are worker credentials it signed).
+    ``clock`` is monotonic seconds (injected in tests). Raises ``ConfigError`` at construction
+    if the file is missing or bad; a bad edit later is ignored with a warning.
+    """
+
+    def __init__(self, path: Path, *, grace_s: float = 300.0, poll_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.grace_s = grace_s
+        self._poll_interval_s = poll_interval_s
+        self._clock = clock
+        try:
+            self._stamp = _stamp(path)
+            self._tokens = parse_service_token_file(path.read_text(), str(path))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the service token file: "
+                              f"{exc.strerror}") from None
+        self._retired: dict[bytes, tuple[float, str | None]] = {}
+        """digest -> (monotonic time its grace ends, raw token or None)."""
+        self._next_check_s = clock() + poll_interval_s
+        self.num_reloads = 0
+
+    def refresh(self, *, force: bool = False) -> bool:
+        """Re-read the file if it changed (at most every ``poll_interval_s``, or ``force``);
+        True when new tokens were installed."""
+        now = self._clock()
+        if not force and now < self._next_check_s:
+            return False
+        self._next_check_s = now + self._poll_interval_s
+        try:
+            stamp = _stamp(self.path)
+            if stamp == self._stamp and not force:
+                return False
+            tokens = parse_service_token_file(self.path.read_text(), str(self.path))
+        except OSError as exc:
+            logger.warning("service token file %s unreadable (keeping %d tokens): %s",
+                           self.path, len(self._tokens), exc.strerror)
+            return False
+        except ConfigError as exc:
+            logger.warning("service token file changed but is invalid (keeping %d tokens): %s",
+                           len(self._tokens), exc.message)
+            return False
+        kept = {token.digest for token in tokens}
+        for token in self._tokens:
+            if token.digest not in kept:
+                self._retired[token.digest] = (now + self.grace_s, token.raw)
+        for digest in kept:
+            self._retired.pop(digest, None)
+        self._stamp = stamp
+        self._tokens = tokens
+        self.num_reloads += 1
+        logger.info("service token file %s reloaded: %d tokens (%d in their grace period)",
+                    self.path, len(tokens), len(self._retired))
+        return True
+
+    def _live_retired(self) -> dict[bytes, tuple[float, str | None]]:
+        now = self._clock()
+        self._retired = {d: entry for d, entry in self._retired.items() if entry[0] > now}
+        return self._retired
+
+    def presented(self) -> str | None:
+        """The token this process presents (the file's last raw token); None for a
+        verify-only file."""
+        self.refresh()
+        raws = [token.raw for token in self._tokens if token.raw is not None]
+        return raws[-1] if raws else None
+
+    def is_valid(self, token: str) -> bool:
+        """Whether ``token`` is in the file, or was removed less than ``grace_s`` ago."""
+        self.refresh()
+        digest = _digest(token)
+        is_known = False
+        for candidate in self._tokens:  # compare all: time does not depend on which matched
+            is_known |= hmac.compare_digest(candidate.digest, digest)
+        return is_known or digest in self._live_retired()
+
+    def signing_tokens(self) -> list[str]:
+        """Raw tokens that may have signed a valid worker credential (file, then grace)."""
+        self.refresh()
+        raws = [token.raw for token in self._tokens if token.raw is not None]
+        raws += [raw for _, raw in self._live_retired().values() if raw is not None]
+        return raws
+
+    def mint_worker_credential(self, worker_id: str) -> str:
+        """A credential for ``worker_id`` signed with the presented token (the pool's
+        provisioners hand it to the worker they start). Raises ``ConfigError`` for a
+        verify-only file."""
+        token = self.presented()
+        if token is None:
+            raise ConfigError(f"{self.path}: holds only sha256: lines; cannot sign a worker "
+                              "credential", field="service_tokens_path")
+        return worker_credential(token, worker_id)
+
+    def verify_worker_credential(self, credential: str) -> str | None:
+        """The worker id ``credential`` names, if a valid token signed it; else None."""
+        parsed = parse_worker_credential(credential)
+        if parsed is None:
+            return None
+        worker_id, _ = parsed
+        is_valid = False
+        for token in self.signing_tokens():
+            is_valid |= hmac.compare_digest(worker_credential(token, worker_id), credential)
+        return worker_id if is_valid else None
+
+    def __repr__(self) -> str:
+        return f"ServiceTokens({str(self.path)!r}, {len(self._tokens)} tokens)"
+
+
+def worker_credential(service_token: str, worker_id: str) -> str:
+    """``pdw1.<worker_id>.<hex HMAC-SHA256(service_token, context || worker_id)>``: proves the
+    holder may act as ``worker_id`` and as no other worker; only holders of the service token
+    can make one, and the worker never sees the token."""
+    mac = hmac.new(service_token.encode("utf-8", "surrogatepass"),
+                   _WORKER_MAC_CONTEXT + worker_id.encode("utf-8", "surrogatepass"),
+                   hashlib.sha256).hexdigest()
+    return f"{WORKER_CREDENTIAL_PREFIX}{worker_id}.{mac}"
+
+
+def parse_worker_credential(text: str) -> tuple[str, str] | None:
+    """``(worker_id, hex mac)`` of a worker credential's form; None for anything else."""
+    if not text.startswith(WORKER_CREDENTIAL_PREFIX):
+        return None
+    worker_id, dot, mac = text[len(WORKER_CREDENTIAL_PREFIX):].rpartition(".")
+    if not dot or not worker_id or len(mac) != 64:
+        return None
+    return worker_id, mac
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_service_tokens(path: Path, grace_s: float) -> ServiceTokens:
+    return ServiceTokens(path, grace_s=grace_s)
+
+
+def load_service_tokens(settings: CommonSettings) -> ServiceTokens | None:
+    """The process's service token file (one object per file and grace, shared by its server
+    and its channels), or None when ``service_tokens_path`` is unset."""
+    if settings.service_tokens_path is None:
+        return None
+    return _shared_service_tokens(Path(settings.service_tokens_path),
+                                  float(settings.service_token_grace_s))
+
+
 # --------------------------------------------------------------------- authentication
 
 
@@ -332,6 +569,8 @@ class Principal:
     tenant: str = ""
     name: str = ""
     has_credential: bool = False
+    worker_id: str = ""
+    """Set when the caller presented a worker credential: the only worker it may act as."""
 
 
 class Decision(enum.StrEnum):
@@ -389,20 +628,23 @@ def bearer_metadata(key: str) -> tuple[tuple[str, str]]:
 
 class Authenticator:
     """Turns a call's credentials into a ``Principal`` (see the module docstring for the
-    defaults when a key file or mutual TLS is absent)."""
+    defaults when a key file, the service token file or mutual TLS is absent)."""
 
     def __init__(self, api_keys: KeyTable | None, admin_keys: KeyTable | None, *,
-                 is_mutual_tls: bool) -> None:
+                 is_mutual_tls: bool, service_tokens: ServiceTokens | None = None) -> None:
         self.api_keys = api_keys
         self.admin_keys = admin_keys
         self.is_mutual_tls = is_mutual_tls
+        self.service_tokens = service_tokens
         base: set[Role] = set()
         if api_keys is None:
             base.add(Role.CLIENT)
         if admin_keys is None:
             base.add(Role.ADMIN)
-        if not is_mutual_tls:
-            base |= {Role.SERVICE, Role.WORKER}
+        is_anything_configured = (api_keys is not None or admin_keys is not None
+                                  or service_tokens is not None)
+        if not is_mutual_tls and not is_anything_configured:
+            base |= {Role.SERVICE, Role.WORKER}  # the laptop default: nothing configured at all
         self._base_roles = frozenset(base)
 
     @property
@@ -410,22 +652,38 @@ class Authenticator:
         """Every caller may call everything (nothing configured): no interceptor needed."""
         return self._base_roles == frozenset(Role)
 
+    def _key_roles(self, key: str) -> tuple[set[Role], str, str, str]:
+        """``(roles, tenant, name, worker_id)`` that ``key`` proves; raises
+        ``UnauthenticatedError`` for a key that is in no file."""
+        tokens = self.service_tokens
+        if key and tokens is not None:
+            if key.startswith(WORKER_CREDENTIAL_PREFIX):
+                worker_id = tokens.verify_worker_credential(key)
+                if worker_id is None:
+                    raise UnauthenticatedError("invalid credentials: unknown worker credential")
+                return {Role.WORKER}, "", worker_id, worker_id
+            if tokens.is_valid(key):
+                return {Role.SERVICE}, "", "service", ""
+        admin = self.admin_keys.lookup(key) if self.admin_keys and key else None
+        client = self.api_keys.lookup(key) if self.api_keys and key else None
+        if admin is None and client is None:
+            raise UnauthenticatedError("invalid credentials: unknown key")
+        roles: set[Role] = set()
+        if admin is not None:
+            roles.add(Role.ADMIN)
+        if client is not None:
+            roles.add(Role.CLIENT)
+        return roles, client or "", admin or "", ""
+
     def authenticate(self, key: str | None, spiffe_id: str | None) -> Principal:
-        """Raises ``UnauthenticatedError`` for a key that is in no key file."""
+        """Raises ``UnauthenticatedError`` for a key (or worker credential) that no file
+        proves."""
         roles = set(self._base_roles)
-        tenant = name = ""
+        tenant = name = worker_id = ""
         has_credential = False
         if key is not None:
-            admin = self.admin_keys.lookup(key) if self.admin_keys and key else None
-            client = self.api_keys.lookup(key) if self.api_keys and key else None
-            if admin is None and client is None:
-                raise UnauthenticatedError("invalid credentials: unknown key")
-            if admin is not None:
-                roles.add(Role.ADMIN)
-                name = admin
-            if client is not None:
-                roles.add(Role.CLIENT)
-                tenant = client
+            key_roles, tenant, name, worker_id = self._key_roles(key)
+            roles |= key_roles
             has_credential = True
         if spiffe_id and self.is_mutual_tls:
             identity = parse_spiffe_id(spiffe_id)
@@ -438,7 +696,33 @@ class Authenticator:
                 name = name or cert_name
                 has_credential = has_credential or kind is not PeerKind.CLIENT
         return Principal(frozenset(roles), tenant=tenant, name=name,
-                         has_credential=has_credential)
+                         has_credential=has_credential, worker_id=worker_id)
+
+
+_REFUSED_CALLS = counter(
+    "grpc", "auth_refused", "calls",
+    "gRPC calls refused by authentication or authorization, by method and status code "
+    "(unauthenticated, permission_denied).", ("method", "code"))
+
+
+def count_refusal(method: str, code: grpc.StatusCode) -> None:
+    """Count one refused call (``pdserve_grpc_auth_refused_calls_total``); methods outside
+    ``METHOD_ROLES`` share the label ``other`` so a scanner cannot grow the label set."""
+    label = method if method in METHOD_ROLES else "other"
+    _REFUSED_CALLS.labels(method=label, code=code.name.lower()).inc()
+
+
+def check_worker_id(worker_id: str, field: str = "worker_id", *, method: str = "") -> None:
+    """Refuse (``PermissionDeniedError`` naming ``field``) a call made with a worker credential
+    for another worker than ``worker_id``. A caller without a worker credential (a service, an
+    operator, an mTLS worker certificate, the open default) is not bound to a worker id."""
+    principal = _PRINCIPAL.get()
+    if principal is None or not principal.worker_id or principal.worker_id == worker_id:
+        return
+    count_refusal(method, grpc.StatusCode.PERMISSION_DENIED)
+    raise PermissionDeniedError(
+        f"{field}: this worker credential acts only as {principal.worker_id!r}, not "
+        f"{worker_id!r}", field=field)
 
 
 _PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
@@ -482,17 +766,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 bearer_key(context.invocation_metadata()), _peer_spiffe_id(context))
         except UnauthenticatedError as exc:
             logger.debug("%s refused from %s: %s", method, context.peer(), exc.message)
+            count_refusal(method, grpc.StatusCode.UNAUTHENTICATED)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
             raise  # unreachable: abort raises
         decision = decide(method, principal, self._table)
+        if (decision is Decision.UNAUTHENTICATED and method in JOIN_METHODS
+                and not self.authenticator.is_mutual_tls):
+            decision = Decision.ALLOW  # the request's join token is the credential: the pool
         if decision is Decision.UNAUTHENTICATED:
             logger.debug("%s refused from %s: no credentials", method, context.peer())
+            count_refusal(method, grpc.StatusCode.UNAUTHENTICATED)
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing credentials: send 'authorization: Bearer <key>' or a client certificate")
         elif decision is Decision.PERMISSION_DENIED:
             error = PermissionDeniedError(f"{method}: not allowed for this caller")
             logger.debug("%s refused for roles %s", method, sorted(principal.roles))
+            count_refusal(method, grpc.StatusCode.PERMISSION_DENIED)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, error.message)
         return principal
 
@@ -531,16 +821,90 @@ def load_key_file(path: Path | None) -> KeyFile | None:
 
 def auth_interceptor(settings: CommonSettings) -> AuthInterceptor | None:
     """The interceptor a server with ``settings`` needs, or None when nothing is configured
-    (no key files and no mutual TLS: every call is allowed, at no cost)."""
+    (no key files, no service token file and no mutual TLS: every call is allowed, at no
+    cost)."""
     tls = settings.tls
     is_mutual = tls is not None and tls.cert_path is not None and tls.ca_path is not None
+    service_tokens = load_service_tokens(settings)
     authenticator = Authenticator(load_key_file(settings.api_keys_path),
                                   load_key_file(settings.admin_keys_path),
-                                  is_mutual_tls=is_mutual)
+                                  is_mutual_tls=is_mutual, service_tokens=service_tokens)
     if authenticator.is_open:
         return None
-    if not is_mutual:
-        logger.warning("API/admin keys are set but gRPC is not mutual TLS: internal methods "
-                       "(workers, services, Drain, SetTargetSize) are open to anyone who can "
-                       "reach %s", settings.grpc_address)
+    if not is_mutual and service_tokens is None:
+        logger.warning("keys are set but there is neither mutual TLS nor a service token file: "
+                       "internal methods (workers, services) refuse every caller on %s; set "
+                       "service_tokens_path on every service", settings.grpc_address)
+    if authenticator.admin_keys is None and not is_mutual:
+        logger.info("no admin key file: the operator methods this server has (Drain, "
+                    "SetTargetSize, SetAutoscalerControls, GetStatus, ...) are open to every "
+                    "caller on %s", settings.grpc_address)
     return AuthInterceptor(authenticator)
+
+
+# ---------------------------------------------------------------------------- client side
+
+
+class _Bearer:
+    """Adds ``authorization: Bearer <credential>`` to a call, unless the call carries its own
+    authorization (an operator's key passed by a command). ``credential`` is asked on every
+    call, so a rotated service token is presented as soon as it is read."""
+
+    def __init__(self, credential: Callable[[], str | None]) -> None:
+        self._credential = credential
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = list(details.metadata or ())
+        if any(str(key).lower() == AUTHORIZATION_KEY for key, _ in metadata):
+            return details
+        credential = self._credential()
+        if not credential:
+            return details
+        metadata.extend(bearer_metadata(credential))
+        return grpc.aio.ClientCallDetails(details.method, details.timeout,
+                                          grpc.aio.Metadata(*metadata), details.credentials,
+                                          details.wait_for_ready)
+
+
+class _BearerUnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
+                                    request: Any) -> Any:
+        return await continuation(self._details(client_call_details), request)
+
+
+class _BearerUnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
+                                     request: Any) -> Any:
+        return await continuation(self._details(client_call_details), request)
+
+
+class _BearerStreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
+                                     request_iterator: Any) -> Any:
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+class _BearerStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
+                                      request_iterator: Any) -> Any:
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+def bearer_interceptors(
+        credential: Callable[[], str | None]) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that present ``credential()`` on every call of a channel, one per
+    call shape (an aio channel files each interceptor under the first shape it implements)."""
+    return [_BearerUnaryUnary(credential), _BearerUnaryStream(credential),
+            _BearerStreamUnary(credential), _BearerStreamStream(credential)]
+
+
+def outgoing_credential(settings: CommonSettings) -> Callable[[], str | None] | None:
+    """What this process presents on its internal channels: its worker credential (a
+    worker), else the service token file's presented token (a service); None for neither."""
+    credential = settings.call_credential
+    if credential:
+        return lambda: credential
+    tokens = load_service_tokens(settings)
+    if tokens is None or tokens.presented() is None:
+        return None
+    return tokens.presented

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pdserve.common.auth import bearer_interceptors, outgoing_credential
 from pdserve.common.errors import (
     CapacityError,
     DeadlineError,
@@ -125,7 +126,9 @@ def open_channel(
     ``channel_target``).
 
     ``tls`` defaults to the process's own TLS files (``settings.tls``); plaintext when neither is
-    set. Tracing interceptors are added when tracing is on (they propagate ``traceparent``), then
+    set. Every call presents the process's credential (``auth.outgoing_credential``: a worker's
+    credential, or the service token) unless it carries an authorization of its own.
+    Tracing interceptors are added when tracing is on (they propagate ``traceparent``), then
     ``interceptors``. ``options`` extend or override ``channel_options``. Close the channel when
     done (``await channel.close()``).
     """
@@ -138,6 +141,9 @@ def open_channel(
     merged.update(options)
     address = target
     all_interceptors = [*client_interceptors(settings, tracer_provider), *interceptors]
+    credential = outgoing_credential(settings)
+    if credential is not None:
+        all_interceptors.extend(bearer_interceptors(credential))
     tls = tls if tls is not None else settings.tls
     if tls is None:
         return grpc.aio.insecure_channel(

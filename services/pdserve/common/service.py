@@ -68,8 +68,9 @@ class GrpcService:
             announce(f"{self.name} grpc {self.settings.grpc_host}:{port}")
             http_port = getattr(self.app, "http_port", None)
             http_host = getattr(self.settings, "http_host", self.settings.grpc_host)
+            scheme = getattr(self.app, "http_scheme", "http")
             if http_port:
-                announce(f"{self.name} http http://{http_host}:{http_port}")
+                announce(f"{self.name} http {scheme}://{http_host}:{http_port}")
             announce(f"ready {self.name}")
             await stop.wait()
         finally:

@@ -147,6 +147,19 @@ class CommonSettings:
         help="File of '<key> <operator>' lines: keys of the operator API (drain, target "
         "sizes, autoscaler controls), reloaded on change. Unset: the operator API is open.",
     )
+    service_tokens_path: Path | None = setting(
+        None,
+        help="File of service tokens, one a line (or sha256:<hex> lines: verify only), reloaded "
+        "on change: services present the last one on their internal channels, and it signs "
+        "worker credentials. Required on every service once keys are configured without "
+        "mutual TLS (else internal methods refuse every caller).",
+    )
+    service_token_grace_s: float = setting(
+        300.0,
+        parser=DURATION_S,
+        help="How long a token removed from service_tokens_path (and the worker credentials it "
+        "signed) stays accepted, in seconds.",
+    )
     kv_tls: bool = setting(
         False,
         help="Run the tcp KV data path over mutual TLS with this process's TLS files "
@@ -172,6 +185,12 @@ class CommonSettings:
                 f"got {self.metrics_port}",
                 field="metrics_port",
             )
+
+    @property
+    def call_credential(self) -> str:
+        """A credential of this process's own to present on its channels instead of a service
+        token (a worker's credential); ``""`` for none."""
+        return ""
 
     @property
     def tls(self) -> TlsConfig | None:

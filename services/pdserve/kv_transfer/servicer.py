@@ -11,14 +11,15 @@ import grpc
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.api.v1 import kv_transfer_pb2_grpc as kv_grpc
+from pdserve.common.auth import count_refusal, current_principal
 from pdserve.common.convert import (
     ledger_to_pb,
     ticket_state_from_pb,
     ticket_to_pb,
     token_from_pb,
 )
-from pdserve.common.errors import InvalidArgumentError, NotFoundError
-from pdserve.common.types import Ticket, TicketSpec, TicketState, TransferRecord
+from pdserve.common.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
+from pdserve.common.types import FencingToken, Ticket, TicketSpec, TicketState, TransferRecord
 from pdserve.kv_transfer.coordinator import KvTransferCoordinator
 from pdserve.kv_transfer.rendezvous import Rendezvous
 
@@ -43,6 +44,21 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
     def _now(self) -> float:
         return self._core.clock()
 
+    async def _check_party(self, token: FencingToken, method: str) -> None:
+        """A caller with a worker credential acts only on tickets that name its worker (one
+        read of the ticket; services and certificate holders are not bound)."""
+        principal = current_principal()
+        if principal is None or not principal.worker_id:
+            return
+        ticket = await self._core.get(token.ticket_id)
+        if ticket is None:
+            return  # the call itself says NOT_FOUND (or is an idempotent no-op)
+        if principal.worker_id not in (ticket.prefill_worker_id, ticket.decode_worker_id):
+            count_refusal(f"/{SERVICE_NAME}/{method}", grpc.StatusCode.PERMISSION_DENIED)
+            raise PermissionDeniedError(
+                f"token: ticket {token.ticket_id} does not name worker {principal.worker_id!r}",
+                field="token")
+
     async def OpenTicket(
         self, request: kv_pb.OpenTicketRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.OpenTicketResponse:
@@ -61,6 +77,7 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
         self, request: kv_pb.UpdateProgressRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.UpdateProgressResponse:
         token = token_from_pb(request.token)
+        await self._check_party(token, "UpdateProgress")
         state = ticket_state_from_pb(request.state)
         assert state is not None
         if state in (TicketState.ABORTED, TicketState.EXPIRED, TicketState.OPEN):
@@ -79,15 +96,16 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
     async def RenewLease(
         self, request: kv_pb.RenewLeaseRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.RenewLeaseResponse:
-        ticket = await self._core.renew(
-            token_from_pb(request.token), self._core.lease_s(request.lease_ms)
-        )
+        token = token_from_pb(request.token)
+        await self._check_party(token, "RenewLease")
+        ticket = await self._core.renew(token, self._core.lease_s(request.lease_ms))
         return kv_pb.RenewLeaseResponse(ticket=ticket_to_pb(ticket, self._now()))
 
     async def PublishDestination(
         self, request: kv_pb.PublishDestinationRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.PublishDestinationResponse:
         token = token_from_pb(request.token)
+        await self._check_party(token, "PublishDestination")
         ticket = await self._core.get(token.ticket_id)
         if ticket is None or ticket.token != token or ticket.state.is_terminal:
             raise NotFoundError(f"token: no open ticket {token}", field="token")
@@ -99,6 +117,7 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
         self, request: kv_pb.AwaitDestinationRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.AwaitDestinationResponse:
         token = token_from_pb(request.token)
+        await self._check_party(token, "AwaitDestination")
         timeout_s = min(request.timeout_ms / 1000 if request.timeout_ms else 5.0, 60.0)
         payload = await self._rendezvous.wait(token, timeout_s)
         ticket = await self._core.get(token.ticket_id)
@@ -113,6 +132,7 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
         self, request: kv_pb.AbortTicketRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.AbortTicketResponse:
         token = token_from_pb(request.token)
+        await self._check_party(token, "AbortTicket")
         ticket = await self._core.abort(
             token, request.reason or f"aborted by {request.reporter_id or 'client'}"
         )
@@ -123,6 +143,7 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
         self, request: kv_pb.ReleaseTicketRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.ReleaseTicketResponse:
         token = token_from_pb(request.token)
+        await self._check_party(token, "ReleaseTicket")
         ticket, _ = await asyncio.gather(self._core.release(token),
                                          self._rendezvous.forget(token))
         return kv_pb.ReleaseTicketResponse(ticket=ticket_to_pb(ticket, self._now()))

@@ -46,7 +46,8 @@ class PoolApp:
             from pdserve.common.auth import TokenFile
 
             self.manager.join_token_source = TokenFile(settings.join_token_path).tokens
-        self.servicer = PoolServicer({settings.role: self.manager}, backend.workers, backend.events)
+        self.servicer = PoolServicer({settings.role: self.manager}, backend.workers, backend.events,
+                                     mint_credential=worker_credentials(settings))
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._elector_task: asyncio.Task[None] | None = None
@@ -89,13 +90,26 @@ def open_provisioner(settings: PoolSettings) -> Provisioner | None:
                                 network=settings.docker_network,
                                 num_gpus=settings.docker_gpus_per_worker)
         return DockerProvisioner.from_url(spec, newest_join_token(settings), settings.docker_url,
-                                          is_removing_on_close=settings.is_removing_workers_on_close)
+                                          is_removing_on_close=settings.is_removing_workers_on_close,
+                                          worker_credential=worker_credentials(settings))
     if settings.provisioner is ProvisionerKind.KUBERNETES:
         from pdserve.pool.provisioner_kubernetes import KubernetesProvisioner
 
         return KubernetesProvisioner.connect(settings.kubernetes_namespace,
                                              settings.kubernetes_api_url)
-    return LocalProcessProvisioner()
+    return LocalProcessProvisioner(worker_credential=worker_credentials(settings))
+
+
+def worker_credentials(settings: PoolSettings) -> Callable[[str], str] | None:
+    """Worker id -> the credential a worker started by this pool gets, signed with the service
+    token; None without a service token file (workers then present none). Kubernetes names its
+    pods itself, so its workers get none this way (there, use mutual TLS)."""
+    from pdserve.common.auth import load_service_tokens
+
+    tokens = load_service_tokens(settings)
+    if tokens is None or tokens.presented() is None:
+        return None
+    return tokens.mint_worker_credential
 
 
 def newest_join_token(settings: PoolSettings) -> Callable[[], str]:

@@ -19,11 +19,14 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 logger = logging.getLogger(__name__)
+
+WORKER_CREDENTIAL_ENV = "PDSERVE_WORKER_CREDENTIAL"
+"""How a provisioner hands a worker its credential (the worker's ``worker_credential``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +73,15 @@ class LocalProcessProvisioner:
     SIGKILL."""
 
     def __init__(self, base_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 stop_timeout_s: float = 10.0) -> None:
+                 stop_timeout_s: float = 10.0,
+                 worker_credential: Callable[[str], str] | None = None) -> None:
+        """``worker_credential``: worker id -> the signed credential that worker gets
+        (``PDSERVE_WORKER_CREDENTIAL``; ``auth.ServiceTokens.mint_worker_credential``)."""
         self.base_args = list(base_args)
         """Arguments every launched worker gets (may be filled in after construction, e.g. once
         the control plane knows its own address)."""
         self._env = env
+        self._worker_credential = worker_credential
         self._stop_timeout_s = stop_timeout_s
         self._children: dict[str, _Child] = {}
 
@@ -95,6 +102,8 @@ class LocalProcessProvisioner:
             *launch.args,
         ]
         env = dict(os.environ if self._env is None else self._env)
+        if self._worker_credential is not None:
+            env[WORKER_CREDENTIAL_ENV] = self._worker_credential(launch.worker_id)
         process = await asyncio.create_subprocess_exec(
             *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,

@@ -67,22 +67,27 @@ class DockerProvisioner:
     (the newest one, so that rotation moves new workers over first)."""
 
     def __init__(self, spec: DockerWorkerSpec, join_token: Callable[[], str],
-                 client: docker.DockerClient, *, is_removing_on_close: bool = False) -> None:
+                 client: docker.DockerClient, *, is_removing_on_close: bool = False,
+                 worker_credential: Callable[[str], str] | None = None) -> None:
+        """``worker_credential``: worker id -> the signed credential its container gets."""
         self.spec = spec
         self._join_token = join_token
+        self._worker_credential = worker_credential
         self._client = client
         self._is_removing_on_close = is_removing_on_close
 
     @classmethod
     def from_url(cls, spec: DockerWorkerSpec, join_token: Callable[[], str], url: str = "",
-                 *, is_removing_on_close: bool = False) -> DockerProvisioner:
+                 *, is_removing_on_close: bool = False,
+                 worker_credential: Callable[[str], str] | None = None) -> DockerProvisioner:
         """A provisioner on the engine at ``url`` (empty = ``DOCKER_HOST`` or the local
         socket); fails at once when the engine does not answer."""
         import docker
 
         client = docker.DockerClient(base_url=url) if url else docker.from_env()
         client.ping()
-        return cls(spec, join_token, client, is_removing_on_close=is_removing_on_close)
+        return cls(spec, join_token, client, is_removing_on_close=is_removing_on_close,
+                   worker_credential=worker_credential)
 
     def container_name(self, worker_id: str) -> str:
         return f"{self.spec.scope}-{worker_id}"
@@ -114,9 +119,15 @@ class DockerProvisioner:
             spec.image, command, name=name, detach=True,
             labels={LABEL_SCOPE: spec.scope, LABEL_DEPLOYMENT: launch.deployment,
                     LABEL_ROLE: launch.role, LABEL_WORKER_ID: launch.worker_id},
-            environment={**spec.environment, "PDSERVE_JOIN_TOKEN": self._join_token()},
+            environment=self._environment(launch.worker_id),
             stop_signal="SIGTERM", **options,
         )
+
+    def _environment(self, worker_id: str) -> dict[str, str]:
+        environment = {**self.spec.environment, "PDSERVE_JOIN_TOKEN": self._join_token()}
+        if self._worker_credential is not None:
+            environment["PDSERVE_WORKER_CREDENTIAL"] = self._worker_credential(worker_id)
+        return environment
 
     async def stop(self, handle: str) -> None:
         await asyncio.to_thread(self._remove, self.container_name(handle))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
+from pdserve.common.auth import Role, check_worker_id, count_refusal, current_principal
 from pdserve.common.convert import (
     load_from_pb,
     role_from_pb,
@@ -15,13 +16,16 @@ from pdserve.common.convert import (
     worker_state_to_pb,
     worker_to_pb,
 )
-from pdserve.common.errors import InvalidArgumentError, NotFoundError
+from pdserve.common.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 from pdserve.common.tokenizer_bundle import TokenizerBundle, bundle_from_pb
 from pdserve.common.types import FencingToken, PoolEventKind, WorkerRecord, WorkerRole, WorkerState
 from pdserve.pool.manager import Heartbeat, PoolManager, Registration
 from pdserve.state.interfaces import PoolEventStream, WorkerStore
 
 SERVICE_NAME = "pdserve.api.v1.PoolService"
+_REGISTER = f"/{SERVICE_NAME}/Register"
+_HEARTBEAT = f"/{SERVICE_NAME}/Heartbeat"
+_DEREGISTER = f"/{SERVICE_NAME}/Deregister"
 
 _KIND_TO_PB = {
     PoolEventKind.UPSERTED: pool_pb2.POOL_EVENT_KIND_UPSERTED,
@@ -69,10 +73,14 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     server hosts every service): each call goes to the manager of the role it concerns."""
 
     def __init__(self, managers: dict[WorkerRole, PoolManager], workers: WorkerStore,
-                 events: PoolEventStream) -> None:
+                 events: PoolEventStream,
+                 mint_credential: Callable[[str], str] | None = None) -> None:
+        """``mint_credential``: worker id -> the worker credential a registration returns
+        (``auth.ServiceTokens.mint_worker_credential``); None: registrations return none."""
         self._managers = managers
         self._workers = workers
         self._events = events
+        self._mint_credential = mint_credential
 
     def _for_role(self, role: WorkerRole | None, field: str = "role") -> PoolManager:
         if role is None:
@@ -99,22 +107,42 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
     ) -> pool_pb2.RegisterResponse:
         if not request.HasField("worker"):
             raise InvalidArgumentError("worker: required", field="worker")
+        check_worker_id(request.worker.worker_id, "worker.worker_id", method=_REGISTER)
         manager = self._for_role(role_from_pb(request.worker.role, field="worker.role"),
                                  "worker.role")
+        manager.check_join_token(request.join_token)
+        await self._check_not_taken_over(request.worker.worker_id)
         registration = registration_from_pb(request.worker, tokenizer=tokenizer_from_pb(request))
         record = await manager.register(registration, request.join_token)
         policy = manager.policy
+        credential = self._mint_credential(record.worker_id) if self._mint_credential else ""
         return pool_pb2.RegisterResponse(
             worker_id=record.worker_id,
             heartbeat_interval_ms=int(policy.heartbeat_interval_s * 1000),
             heartbeat_ttl_ms=int(policy.heartbeat_timeout_s * 1000),
+            worker_credential=credential,
         )
+
+    async def _check_not_taken_over(self, worker_id: str) -> None:
+        """A caller that joins by the join token alone (no worker credential, no service or
+        worker identity) may not take over a live worker's id: it would be handed that
+        worker's credential."""
+        principal = current_principal()
+        if principal is None or principal.roles & {Role.WORKER, Role.SERVICE} or not worker_id:
+            return
+        record = await self._workers.get(worker_id)
+        if record is not None and record.state not in (WorkerState.FAILED, WorkerState.DRAINED):
+            count_refusal(_REGISTER, grpc.StatusCode.PERMISSION_DENIED)
+            raise PermissionDeniedError(
+                f"worker.worker_id: {worker_id!r} is registered and live; re-register with its "
+                "worker credential", field="worker.worker_id")
 
     async def Heartbeat(
         self, request: pool_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pool_pb2.HeartbeatResponse:
         if not request.worker_id:
             raise InvalidArgumentError("worker_id: required", field="worker_id")
+        check_worker_id(request.worker_id, method=_HEARTBEAT)
         state = worker_state_from_pb(request.state)
         held = {
             str(FencingToken(entry.token.ticket_id, entry.token.attempt)): int(entry.num_blocks)
@@ -142,16 +170,23 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             num_moe_layers=request.num_moe_layers,
             tokenizer=tokenizer_from_pb(request),
         ))
+        principal = current_principal()
+        is_bound = principal is not None and principal.worker_id == request.worker_id
         return pool_pb2.HeartbeatResponse(
             should_drain=directives.should_drain,
             was_readopted=directives.was_readopted,
             should_send_full_prefix_report=directives.should_send_full_prefix_report,
             should_send_tokenizer=directives.should_send_tokenizer,
+            # Re-signed on every beat, so a worker moves to a rotated service token long
+            # before the old one's grace ends.
+            worker_credential=(self._mint_credential(request.worker_id)
+                               if is_bound and self._mint_credential else ""),
         )
 
     async def Deregister(
         self, request: pool_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
     ) -> pool_pb2.DeregisterResponse:
+        check_worker_id(request.worker_id, method=_DEREGISTER)
         record = await self._workers.get(request.worker_id)
         if record is not None:
             manager = self._for_role(record.role, "worker_id")

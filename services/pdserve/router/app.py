@@ -81,6 +81,7 @@ class RouterApp:
                              prefix_index, self.outcomes)
         self.servicer = RouterServicer(self.router, self.tokenizers)
         self.http_port: int | None = None
+        self.http_scheme = "https" if settings.http_tls_cert_path is not None else "http"
         self._http_runner: web.AppRunner | None = None
         self._stop = asyncio.Event()
         self._outcome_task: asyncio.Task[None] | None = None
@@ -94,12 +95,17 @@ class RouterApp:
         self._outcome_task = asyncio.create_task(self.outcomes.run(self._stop))
         if self.settings.http_port >= 0:
             from pdserve.common.auth import load_key_file
-            from pdserve.router.http_api import create_app, start_http_server
+            from pdserve.router.http_api import create_app, server_ssl_context, start_http_server
 
+            settings = self.settings
+            ssl_context = None
+            if settings.http_tls_cert_path is not None and settings.http_tls_key_path is not None:
+                ssl_context = server_ssl_context(settings.http_tls_cert_path,
+                                                 settings.http_tls_key_path)
             app = create_app(self.router, self.tokenizers,
-                             api_keys=load_key_file(self.settings.api_keys_path))
+                             api_keys=load_key_file(settings.api_keys_path))
             self._http_runner, self.http_port = await start_http_server(
-                app, self.settings.http_host, self.settings.http_port)
+                app, settings.http_host, settings.http_port, ssl_context)
 
     async def close(self) -> None:
         if self._http_runner is not None:

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -37,7 +39,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from pdserve.common.auth import KeyTable, bearer_tenant
-from pdserve.common.errors import NotFoundError
+from pdserve.common.errors import ConfigError, NotFoundError
 from pdserve.router.http_errors import ApiError, error_for, too_large
 from pdserve.router.http_generation import GenerationRun
 from pdserve.router.http_requests import (
@@ -298,10 +300,25 @@ def create_app(
     return app
 
 
+def server_ssl_context(cert_path: Path, key_path: Path) -> ssl.SSLContext:
+    """The HTTPS context of the HTTP API: ``cert_path`` (PEM certificate chain) and its key.
+    TLS 1.2 at least; clients are not asked for certificates (they present API keys). Raises
+    ``ConfigError`` naming the setting when a file cannot be read or does not fit."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert_path, key_path)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"http_tls_cert_path: cannot load {cert_path} with {key_path}: {exc}",
+                          field="http_tls_cert_path") from None
+    return context
+
+
 async def start_http_server(
-    app: web.Application, host: str, port: int
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port`` (port 0 = any free port); returns the runner and the port.
+    """Serve ``app`` on ``host:port`` (port 0 = any free port), over HTTPS with
+    ``ssl_context`` (``server_ssl_context``) when given; returns the runner and the port.
 
     Handlers are cancelled when their client disconnects, which cancels the backend request.
     Stop with ``await runner.cleanup()``.
@@ -314,7 +331,7 @@ async def start_http_server(
                            access_log=access_log if is_logged else None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         bound_port = int(runner.addresses[0][1])
     except BaseException:

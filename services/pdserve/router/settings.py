@@ -7,7 +7,9 @@ Every field has an environment variable ``PDSERVE_<NAME>`` and a flag ``--name``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from pdserve.common.errors import ConfigError
 from pdserve.common.settings import CommonSettings
 from pdserve.common.settings_fields import setting
 from pdserve.common.settings_parsers import (
@@ -50,6 +52,11 @@ class RouterSettings(CommonSettings):
     service_name: str = setting("router", help="Service name in logs, traces and metrics.")
     http_host: str = setting("127.0.0.1", help="Interface of the OpenAI-compatible HTTP API.")
     http_port: int = setting(0, parser=PORT_OR_OFF, help="HTTP port; 0 = any, -1 = off.")
+    http_tls_cert_path: Path | None = setting(
+        None,
+        help="PEM certificate (chain) the HTTP API serves HTTPS with; unset: plain HTTP (put a "
+             "TLS-terminating proxy in front).")
+    http_tls_key_path: Path | None = setting(None, help="PEM private key of http_tls_cert_path.")
     coordinator_address: str = setting(
         parser=ADDRESS,
         help="host:port of the KV-transfer coordinator.")
@@ -118,3 +125,10 @@ class RouterSettings(CommonSettings):
     max_retry_after_s: float = setting(
         10.0, parser=DURATION_S,
         help="Longest retry hint given to a shed request.")
+
+    def check(self) -> None:
+        CommonSettings.check(self)
+        if (self.http_tls_cert_path is None) != (self.http_tls_key_path is None):
+            raise ConfigError(
+                "PDSERVE_HTTP_TLS_CERT_PATH and PDSERVE_HTTP_TLS_KEY_PATH: expected both set or "
+                "both empty", field="http_tls_cert_path")

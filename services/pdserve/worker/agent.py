@@ -61,6 +61,9 @@ class AgentConfig:
     """Prefill side: prefix hashes remembered (LRU) and reported for prefix-aware routing."""
     is_prefix_cache_simulated: bool = False
     """Sim engine: cached prefix tokens are not recomputed (timing only; KV is still sent)."""
+    max_prefill_stall_s: float = 10.0
+    """Prefill side: once the prompt loop has not advanced for this long, queued prompts'
+    leases are no longer renewed (``PrefillRuntime.progress_stall_s``)."""
 
 
 TicketRow = tuple[FencingToken, int, str]

@@ -10,6 +10,7 @@ DONE when the KV has landed.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pdserve.common.errors import InvalidArgumentError
@@ -19,6 +20,8 @@ from pdserve.worker.reports import ControlPlane
 from pdserve.worker.runtime import PrefillPhase, PrefillResult, PrefillRuntime, PrefillTicket
 from pdserve.worker.transports.registry import TransportBackend
 from pdserve.worker.transports.values import KvDestinationSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +42,7 @@ class PrefillAgent(WorkerAgent):
                  control: ControlPlane | None = None) -> None:
         super().__init__(config, runtime, transport, control)
         self._prompts: dict[str, _PromptInFlight] = {}
+        self._is_stalled = False
 
     async def start(self, kv_host: str = "127.0.0.1", kv_port: int = 0) -> None:
         """Start the runtime; a prefill worker receives no KV (``kv_address`` stays empty)."""
@@ -90,16 +94,33 @@ class PrefillAgent(WorkerAgent):
 
     async def renew_queued_leases(self) -> None:
         """Called periodically (the heartbeat cadence): renew the leases of queued prompts (the
-        waiting side renews) and report the progress of prompts in flight.
+        waiting side renews) and report the progress of prompts in flight. While the prompt
+        loop has not advanced for ``max_prefill_stall_s`` nothing is renewed: the heartbeat
+        runs on its own task and would otherwise keep a hung loop's queue alive forever, where
+        the lapsed leases let the coordinator expire the tickets and the router retry them.
 
         Progress is reported here rather than as it happens, so a prompt that goes from queue to
         landed between two calls costs the coordinator nothing but the decode side's DONE; only
         long prefills and transfers show PREFILLING / TRANSFERRING in the ticket's history.
         """
+        stall_s = self.runtime.progress_stall_s()
+        is_stalled = stall_s > self.config.max_prefill_stall_s
+        if is_stalled != self._is_stalled:
+            self._is_stalled = is_stalled
+            num_queued = sum(p.ticket.phase is PrefillPhase.QUEUED
+                             for p in self._prompts.values())
+            if is_stalled:
+                logger.warning("prefill loop stalled for %.1f s (bound %.1f s): the leases of "
+                               "%d queued prompts are no longer renewed", stall_s,
+                               self.config.max_prefill_stall_s, num_queued)
+            else:
+                logger.warning("prefill loop advances again; renewing queued leases")
         for prompt in list(self._prompts.values()):
             ticket = prompt.ticket
             if ticket.phase is PrefillPhase.QUEUED:
-                self._reports.send(ticket.token, self.control.renew(ticket.token, prompt.lease_s))
+                if not is_stalled:  # a hung loop must not keep its queue's tickets alive
+                    self._reports.send(ticket.token,
+                                       self.control.renew(ticket.token, prompt.lease_s))
                 continue
             state = (TicketState.PREFILLING if ticket.phase is PrefillPhase.PREFILLING
                      else TicketState.TRANSFERRING)

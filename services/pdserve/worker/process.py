@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2_grpc
+from pdserve.common.auth import bearer_interceptors
 from pdserve.common.convert import role_to_pb, worker_state_to_pb
 from pdserve.common.errors import (
     ConfigError,
@@ -106,22 +107,30 @@ class WorkerProcess:
             settings.model_path if settings.engine == "vllm" else None)
         self.tokenizer = bundle_from_folder(tokenizer_path) if tokenizer_path else None
         """The model tokenizer this worker ships to the control plane; None = the byte one."""
-        self._coordinator_channel = open_channel(settings.coordinator_address, settings)
-        self._pool_channel = open_channel(settings.pool_address, settings)
+        self.credential = settings.worker_credential
+        """What this worker presents on its calls: its provisioner's credential, else the one
+        its pool returned at registration (joined by the join token alone)."""
+        credential = bearer_interceptors(lambda: self.credential or None)
+        self._coordinator_channel = open_channel(settings.coordinator_address, settings,
+                                                 interceptors=credential)
+        self._pool_channel = open_channel(settings.pool_address, settings,
+                                          interceptors=credential)
         self.control = GrpcControlPlane(self._coordinator_channel, settings.worker_id)
         self.pool = PoolClient(self._pool_channel, settings.join_token)
         config = AgentConfig(worker_id=settings.worker_id, deployment=settings.deployment,
                              role=settings.role, transport=settings.transport,
                              max_batch_size=settings.max_batch_size,
                              decode_step_pause_s=settings.test_decode_step_pause_s,
-                             is_prefix_cache_simulated=settings.engine == "sim")
+                             is_prefix_cache_simulated=settings.engine == "sim",
+                             max_prefill_stall_s=settings.max_prefill_stall_s)
         self.engine: Engine | None = None
         """The in-house engine (sim, tiny); None for a self-scheduling one (vllm)."""
         self.agent: WorkerAgent
         if settings.engine == "vllm":
             from pdserve.worker.engines.vllm.agents import create_vllm_agent
 
-            self.agent = create_vllm_agent(settings, config, kv_backend(settings), self.control)
+            self.agent = create_vllm_agent(settings, config, kv_backend(settings), self.control,
+                                           interceptors=credential)
         else:
             self.engine = build_engine(settings)
             self.agent = create_agent(config, self.engine, kv_backend(settings), self.control)
@@ -192,6 +201,8 @@ class WorkerProcess:
 
     async def start(self) -> None:
         await self.agent.start(self.settings.kv_host, self.settings.kv_port)
+        if self.settings.test_prefill_hold_signals and self.settings.role is WorkerRole.PREFILL:
+            self._install_hold_signals()
         kv_host, _, kv_port = self.agent.kv_address.rpartition(":")
         if kv_host.strip("[]") in ("0.0.0.0", "::", ""):
             # Bound to every interface: peers need an address they can reach.
@@ -200,12 +211,26 @@ class WorkerProcess:
         self.address = f"{self.advertise_host}:{port}"
         response = await self.pool.register(self.describe(), self.settings.cold_start_s,
                                             self.tokenizer_pb())
+        self.credential = response.worker_credential or self.credential
         self.agent.config = dataclasses.replace(self.agent.config, worker_id=response.worker_id)
         self.control.worker_id = response.worker_id
         self.heartbeat_interval_s = max(0.05, response.heartbeat_interval_ms / 1000)
         self.agent.state = WorkerState.LOADING
         logger.info("worker %s registered; grpc %s kv %s", response.worker_id, self.address,
                     self.agent.kv_address)
+
+    def _install_hold_signals(self) -> None:
+        """Fault injection: SIGUSR1 holds the in-house prefill loop, SIGUSR2 releases it."""
+        import signal
+
+        hold = getattr(self.agent.runtime, "hold", None)
+        release = getattr(self.agent.runtime, "release", None)
+        if hold is None or release is None:
+            logger.warning("test_prefill_hold_signals: this runtime has no prefill loop to hold")
+            return
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, hold)
+        loop.add_signal_handler(signal.SIGUSR2, release)
 
     async def heartbeat(self) -> None:
         is_full = self._needs_full_prefix_report
@@ -229,6 +254,7 @@ class WorkerProcess:
                                              expert_counts, num_moe_layers, tokenizer)
         self._needs_full_prefix_report = response.should_send_full_prefix_report
         self._needs_tokenizer_sent = response.should_send_tokenizer
+        self.credential = response.worker_credential or self.credential
         if response.should_drain:
             self.agent.begin_drain("pool manager asked")
 
@@ -253,8 +279,9 @@ class WorkerProcess:
                     # again puts its own layout and limit in the pool's record (the first
                     # registration could only estimate them).
                     try:
-                        await self.pool.register(self.describe(), self.settings.cold_start_s,
-                                                 self.tokenizer_pb())
+                        response = await self.pool.register(
+                            self.describe(), self.settings.cold_start_s, self.tokenizer_pb())
+                        self.credential = response.worker_credential or self.credential
                     except PdserveError as exc:
                         logger.warning("could not refresh the registration: %s", exc.message)
                 logger.info("worker %s ready", self.agent.config.worker_id)

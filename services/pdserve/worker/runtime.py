@@ -312,6 +312,14 @@ class PrefillRuntime(EngineRuntime, Protocol):
         receiver is told. No-op for a token it does not have."""
         ...
 
+    def progress_stall_s(self) -> float:
+        """Seconds the prompt loop has not advanced (no prompt taken, no layer computed or sent,
+        no prompt finished) while prompts wait or run; 0.0 when it is idle. The agent stops
+        renewing queued prompts' leases once this passes its bound (a loop that hangs must not
+        keep its queue alive: the coordinator expires the tickets, the router retries them). A
+        runtime that cannot tell (a self-scheduling engine) returns 0.0."""
+        ...
+
     def take_prefix_delta(self) -> tuple[list[int], list[int]]:
         """Prefix block hashes (``common.tokenizer.prefix_block_hashes`` over blocks of
         ``layout.block_size_tokens``) cached and evicted since the previous report."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.common.auth import parse_worker_credential
 from pdserve.common.errors import ConfigError
 from pdserve.common.settings import CommonSettings
 from pdserve.common.settings_fields import setting
@@ -37,6 +38,18 @@ class WorkerSettings(CommonSettings):
         parser=ADDRESS,
         help="host:port of the KV-transfer coordinator.")
     join_token: str = setting(help="Secret that admits this worker to its pool.", is_secret=True)
+    worker_credential: str = setting(
+        "", is_secret=True,
+        help="Signed credential naming this worker's id (pdw1.<worker_id>.<mac>), presented on "
+             "its calls to the pool and the coordinator; the pool's provisioner hands it to the "
+             "workers it starts. Required once the control plane has a service token file and "
+             "no mutual TLS.")
+    max_prefill_stall_s: float = setting(
+        10.0, parser=DURATION_S,
+        help="Prefill side: once the prefill loop has made no progress (no prompt taken, no "
+             "layer computed or sent) for this long, the leases of prompts queued behind it are "
+             "no longer renewed, so the coordinator expires them and the router retries them "
+             "elsewhere.")
     advertise_host: str = setting(
         "127.0.0.1",
         help="Host other processes use to reach this worker.")
@@ -133,6 +146,11 @@ class WorkerSettings(CommonSettings):
     kv_port: int = setting(0, parser=PORT, help="KV data path port; 0 = any.")
     max_batch_size: int = setting(256, parser=int_range(1, 100_000), help="Decode batch limit.")
     metrics_port: int = setting(-1, parser=PORT_OR_OFF, help="Prometheus port; -1 = off.")
+    test_prefill_hold_signals: bool = setting(
+        False,
+        help="Fault injection (tests only): SIGUSR1 holds the prefill loop (it takes no prompt "
+             "and sends no layer, as a hung engine would; heartbeats go on), SIGUSR2 releases "
+             "it.")
     test_clock_offset_s: float = setting(
         0.0, parser=float_range(-1e9, 1e9),
         help="Fault injection (tests only): shift this process's wall clock by this many seconds, "
@@ -144,8 +162,21 @@ class WorkerSettings(CommonSettings):
         help="Fault injection (tests only; sim and tiny engines): pause this long before each "
              "decode step, so a test that saw token k acts before token k + 1 exists.")
 
+    @property
+    def call_credential(self) -> str:
+        return self.worker_credential
+
     def check(self) -> None:
         CommonSettings.check(self)
+        if self.worker_credential:
+            parsed = parse_worker_credential(self.worker_credential)
+            if parsed is None:
+                raise ConfigError("PDSERVE_WORKER_CREDENTIAL: expected pdw1.<worker_id>.<mac>",
+                                  field="worker_credential")
+            if parsed[0] != self.worker_id:
+                raise ConfigError(f"PDSERVE_WORKER_ID: the worker credential names "
+                                  f"{parsed[0]!r}; expected the same worker id, got "
+                                  f"{self.worker_id!r}", field="worker_id")
         if self.engine not in ("sim", "tiny", "vllm"):
             raise ConfigError(f"PDSERVE_ENGINE: expected sim, tiny or vllm, got {self.engine!r}",
                               field="engine")

@@ -34,14 +34,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, join_token: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., expected_cold_start_s: _Optional[float] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerBundle, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_interval_ms", "heartbeat_ttl_ms")
+    __slots__ = ("worker_id", "heartbeat_interval_ms", "heartbeat_ttl_ms", "worker_credential")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_interval_ms: int
     heartbeat_ttl_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_ttl_ms: _Optional[int] = ...) -> None: ...
+    worker_credential: str
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_ttl_ms: _Optional[int] = ..., worker_credential: _Optional[str] = ...) -> None: ...
 
 class HeldBlocks(_message.Message):
     __slots__ = ("token", "num_blocks")
@@ -80,16 +82,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., held_blocks: _Optional[_Iterable[_Union[HeldBlocks, _Mapping]]] = ..., added_prefix_hashes: _Optional[_Iterable[int]] = ..., removed_prefix_hashes: _Optional[_Iterable[int]] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., num_moe_layers: _Optional[int] = ..., join_token: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., is_full_prefix_report: _Optional[bool] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerBundle, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("should_drain", "was_readopted", "should_send_full_prefix_report", "should_send_tokenizer")
+    __slots__ = ("should_drain", "was_readopted", "should_send_full_prefix_report", "should_send_tokenizer", "worker_credential")
     SHOULD_DRAIN_FIELD_NUMBER: _ClassVar[int]
     WAS_READOPTED_FIELD_NUMBER: _ClassVar[int]
     SHOULD_SEND_FULL_PREFIX_REPORT_FIELD_NUMBER: _ClassVar[int]
     SHOULD_SEND_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     should_drain: bool
     was_readopted: bool
     should_send_full_prefix_report: bool
     should_send_tokenizer: bool
-    def __init__(self, should_drain: _Optional[bool] = ..., was_readopted: _Optional[bool] = ..., should_send_full_prefix_report: _Optional[bool] = ..., should_send_tokenizer: _Optional[bool] = ...) -> None: ...
+    worker_credential: str
+    def __init__(self, should_drain: _Optional[bool] = ..., was_readopted: _Optional[bool] = ..., should_send_full_prefix_report: _Optional[bool] = ..., should_send_tokenizer: _Optional[bool] = ..., worker_credential: _Optional[str] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "join_token")

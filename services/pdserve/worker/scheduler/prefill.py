@@ -16,6 +16,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
@@ -95,7 +96,9 @@ class PrefillScheduler(EngineScheduler):
     """Every ticket names its destination (the in-house decode side picks blocks at admit)."""
 
     def __init__(self, engine: Engine, *, prefix_cache_blocks: int = 4096,
-                 is_prefix_cache_simulated: bool = False) -> None:
+                 is_prefix_cache_simulated: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: monotonic seconds, of the progress watermark (``progress_stall_s``)."""
         super().__init__(engine)
         self._prefix_cache_blocks = prefix_cache_blocks
         self._is_prefix_cache_simulated = is_prefix_cache_simulated
@@ -107,10 +110,40 @@ class PrefillScheduler(EngineScheduler):
         self._prefix_lru: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._prefix_added: set[int] = set()
         self._prefix_removed: set[int] = set()
+        self._clock = clock
+        self._last_progress_s = clock()
+        """When the loop last advanced: took a prompt, got or sent layers, finished a prompt."""
+        self._running: _Job | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._is_advancing = asyncio.Event()
+        self._is_advancing.set()
 
     async def start(self, transport: TransportBackend) -> None:
         self._transport = transport
-        self._tasks.append(asyncio.create_task(self._loop(), name="prefill-loop"))
+        self._loop_task = asyncio.create_task(self._loop(), name="prefill-loop")
+        self._tasks.append(self._loop_task)
+
+    # -- the progress watermark ---------------------------------------------------------------
+
+    def _advance(self) -> None:
+        self._last_progress_s = self._clock()
+
+    def progress_stall_s(self) -> float:
+        if self._loop_task is not None and self._loop_task.done():
+            return float("inf")  # the loop is gone: nothing here will ever advance
+        if not self._queue and self._running is None:
+            return 0.0
+        return max(0.0, self._clock() - self._last_progress_s)
+
+    def hold(self) -> None:
+        """Fault injection (tests): the loop stops advancing (takes no prompt, sends no layer)
+        until ``release``, as a hung engine or transport would; the process stays alive."""
+        logger.warning("prefill loop held (fault injection)")
+        self._is_advancing.clear()
+
+    def release(self) -> None:
+        logger.warning("prefill loop released (fault injection)")
+        self._is_advancing.set()
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(
@@ -123,6 +156,8 @@ class PrefillScheduler(EngineScheduler):
 
     async def prefill(self, ticket: PrefillTicket) -> PrefillResult:
         job = _Job(ticket, asyncio.get_running_loop().create_future(), otel_context.get_current())
+        if not self._queue and self._running is None:
+            self._advance()  # an idle loop was not stalled: the wait starts now
         self._jobs[ticket.token] = job
         self._queue.append(job)
         self._num_queued_prefill_tokens += len(ticket.prompt_token_ids)
@@ -161,7 +196,12 @@ class PrefillScheduler(EngineScheduler):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            await self._is_advancing.wait()
+            if not self._queue:
+                continue
             job = self._queue.popleft()
+            self._running = job
+            self._advance()
             attached = otel_context.attach(job.trace_context)
             try:
                 if job.cancel_reason:
@@ -176,6 +216,8 @@ class PrefillScheduler(EngineScheduler):
                 if not job.future.done():
                     job.future.set_result(result)
             finally:
+                self._running = None
+                self._advance()
                 self._num_queued_prefill_tokens -= len(job.ticket.prompt_token_ids)
                 otel_context.detach(attached)
 
@@ -244,6 +286,8 @@ class PrefillScheduler(EngineScheduler):
                         layers.append(item)
                     if not layers:
                         continue
+                    self._advance()
+                    await self._is_advancing.wait()
                     if job.cancel_reason:
                         raise StaleTokenError(
                             f"ticket {ticket.token} dropped: {job.cancel_reason}")
@@ -253,6 +297,7 @@ class PrefillScheduler(EngineScheduler):
                         layer_span.set_attribute("pdserve.layer", layers[0])
                         layer_span.set_attribute("pdserve.num_layers", len(layers))
                         await sender.offer_layers(layers, block_ids[:num_sent])
+                    self._advance()
                 if not compute_done.is_set():  # it is, unless the thread has yet to return
                     await compute_future
                 compute_end = time.perf_counter()

@@ -9,7 +9,10 @@ what the operator exported.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
+
+import grpc
 
 from pdserve.common.grpc_client import open_channel
 from pdserve.common.types import WorkerRole
@@ -74,14 +77,15 @@ def runtime_settings(settings: WorkerSettings) -> VllmRuntimeSettings:
 
 
 def create_vllm_agent(settings: WorkerSettings, config: AgentConfig, transport: TransportBackend,
-                      control: ControlPlane | None = None) -> WorkerAgent:
+                      control: ControlPlane | None = None,
+                      interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> WorkerAgent:
     """The agent of ``config.role`` over one vLLM engine (not started: ``agent.start`` loads it
-    in the background)."""
+    in the background). ``interceptors`` go on its channel (the worker's credential)."""
     runtime_config = runtime_settings(settings)
     # The coordinator's rendezvous, over this worker's own channel settings (TLS included).
     exchange = GrpcDestinationExchange(
         settings.coordinator_address,
-        channel=open_channel(settings.coordinator_address, settings))
+        channel=open_channel(settings.coordinator_address, settings, interceptors=interceptors))
     if config.role is WorkerRole.DECODE:
         return DecodeAgent(config, VllmDecodeRuntime(runtime_config, exchange), transport,
                            control)

@@ -416,6 +416,10 @@ class VllmPrefillRuntime(_VllmRuntime):
         if self._abort_request(token):
             logger.info("prefill %s aborted: %s", token, reason)
 
+    def progress_stall_s(self) -> float:
+        """vLLM schedules its own loop and the agent cannot see it advance: never stalled here
+        (a hung engine is found by its engine-core health, not by this watermark)."""
+        return 0.0
 
 
 class VllmDecodeRuntime(_VllmRuntime):
