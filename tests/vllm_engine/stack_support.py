@@ -71,22 +71,33 @@ ALL_PROMPTS = {**PROMPTS, **AFTER_SEED, "lapse": LAPSE_PROMPT, "kill": KILL_PROM
 @dataclass
 class VllmStack:
     stack: Stack
-    prefill: ServiceProcess
+    prefills: list[ServiceProcess]
     decode: ServiceProcess
     reference: dict[str, list[int]]
     seen_loading: bool
 
-    def worker(self, role: str) -> pb.WorkerInfo:
+    @property
+    def prefill(self) -> ServiceProcess:
+        return self.prefills[0]
+
+    def workers(self, role: str) -> list[pb.WorkerInfo]:
         wanted = pb.WORKER_ROLE_PREFILL if role == "prefill" else pb.WORKER_ROLE_DECODE
-        (info,) = [w for w in list_workers(self.stack.pool_address(role))
-                   if w.role == wanted and w.state != pb.WORKER_STATE_FAILED]
+        return [w for w in list_workers(self.stack.pool_address(role))
+                if w.role == wanted and w.state != pb.WORKER_STATE_FAILED]
+
+    def worker(self, role: str) -> pb.WorkerInfo:
+        (info,) = self.workers(role)
         return info
 
     async def status(self, role: str) -> worker_pb2.GetStatusResponse:
-        target, options = channel_target(self.worker(role).address)
-        async with grpc.aio.insecure_channel(target, options=options) as channel:
-            return await worker_pb2_grpc.WorkerAgentServiceStub(channel).GetStatus(
-                worker_pb2.GetStatusRequest(), timeout=10)
+        return await status_of(self.worker(role))
+
+
+async def status_of(worker: pb.WorkerInfo) -> worker_pb2.GetStatusResponse:
+    target, options = channel_target(worker.address)
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        return await worker_pb2_grpc.WorkerAgentServiceStub(channel).GetStatus(
+            worker_pb2.GetStatusRequest(), timeout=10)
 
 
 async def _colocated(engine: VllmEngine, name: str, prompt: list[int]) -> list[int]:
@@ -116,14 +127,14 @@ async def _reference(model_dir: Path, prompts: dict[str, list[int]]
     return dict(zip(prompts, runs, strict=True))
 
 
-def _start_workers(stack: Stack, model_dir: Path, transport: str
-                   ) -> tuple[ServiceProcess, ServiceProcess, bool]:
+def _start_workers(stack: Stack, model_dir: Path, transport: str, num_prefill: int
+                   ) -> tuple[list[ServiceProcess], ServiceProcess, bool]:
     args = ("--engine", "vllm", "--model-path", str(model_dir), "--vllm-dtype", "float32",
             "--vllm-block-size-tokens", str(BLOCK_SIZE), "--vllm-num-blocks", str(NUM_BLOCKS),
             "--vllm-max-model-len", str(MAX_MODEL_LEN), "--vllm-handoff-timeout-s", "20",
             "--transport", transport)
     stack.worker_args = args
-    prefill = stack.start_worker("prefill", "vllm-prefill")
+    prefills = [stack.start_worker("prefill", f"vllm-prefill-{i}") for i in range(num_prefill)]
     decode = stack.start_worker("decode", "vllm-decode")
     # Registered while vLLM loads: LOADING, until the engine serves.
     seen_loading = False
@@ -134,20 +145,21 @@ def _start_workers(stack: Stack, model_dir: Path, transport: str
         seen_loading |= pb.WORKER_STATE_LOADING in states
         if states == {pb.WORKER_STATE_READY} and len(states) == 1:
             break
-        for process in (prefill, decode):
+        for process in (*prefills, decode):
             assert process.returncode is None, process.describe()
         time.sleep(0.5)
-    for process in (prefill, decode):
+    for process in (*prefills, decode):
         process.wait_ready(timeout_s=30.0)
     for router in stack.routers:
-        wait_router_sees(router, 1, 1, timeout_s=60.0)
-    return prefill, decode, seen_loading
+        wait_router_sees(router, num_prefill, 1, timeout_s=60.0)
+    return prefills, decode, seen_loading
 
 async def start_vllm_stack(model_dir: Path, redis_url: str, database_url: str,
                            processes: list[ServiceProcess], transport: str = "tcp",
-                           prompts: dict[str, list[int]] | None = None) -> VllmStack:
+                           prompts: dict[str, list[int]] | None = None,
+                           num_prefill: int = 1) -> VllmStack:
     """The reference outputs of ``prompts`` (default: every prompt here), then the stack with its
-    two vLLM workers READY in the router's view."""
+    vLLM workers (``num_prefill`` prefill, one decode) READY in the router's view."""
     reference = await _reference(model_dir, ALL_PROMPTS if prompts is None else prompts)
     stack = build_stack(processes, redis_url, database_url, num_prefill=0,
                         num_decode=0, pool_args=("--heartbeat-timeout-s", "10"),
@@ -158,9 +170,9 @@ async def start_vllm_stack(model_dir: Path, redis_url: str, database_url: str,
                                      "--is-shedding-enabled", "false",
                                      "--transport", transport),
                         extra_env=ENGINE_ENVIRONMENT)
-    prefill, decode, seen_loading = await asyncio.to_thread(_start_workers, stack, model_dir,
-                                                            transport)
-    return VllmStack(stack, prefill, decode, reference, seen_loading)
+    prefills, decode, seen_loading = await asyncio.to_thread(_start_workers, stack, model_dir,
+                                                             transport, num_prefill)
+    return VllmStack(stack, prefills, decode, reference, seen_loading)
 @dataclass
 class Reply:
     tokens: list[int]
@@ -214,7 +226,7 @@ async def check_token_exact_and_checksummed(vllm_stack: VllmStack) -> None:
     reference token for token; every block's checksum on the decode side equals its source's;
     vLLM's own prompt-token accounting on the decode engine adds up."""
     decode_before = await vllm_stack.status("decode")
-    prefill_id = vllm_stack.worker("prefill").worker_id
+    prefill_workers = vllm_stack.workers("prefill")
     decode_id = vllm_stack.worker("decode").worker_id
     replies = dict(zip(PROMPTS, await asyncio.gather(
         *(_generate(vllm_stack, prompt) for prompt in PROMPTS.values())), strict=True))
@@ -226,16 +238,16 @@ async def check_token_exact_and_checksummed(vllm_stack: VllmStack) -> None:
         assert reply.tokens == vllm_stack.reference[name], name
         assert len(reply.tokens) == NUM_GENERATED, name
         assert reply.final is not None
-        assert reply.final.prefill_worker_id == prefill_id, name
+        assert reply.final.prefill_worker_id in {w.worker_id for w in prefill_workers}, name
         assert reply.final.decode_worker_id == decode_id, name
         assert not reply.final.timing.is_local_prefill, name
 
     # Every block's checksum on the decode side equals its source's on the prefill side.
     decode = await vllm_stack.status("decode")
-    prefill = await vllm_stack.status("prefill")
     seen = {(c.token.ticket_id, c.token.attempt) for c in decode_before.kv_checksums}
     landed = [c for c in decode.kv_checksums if (c.token.ticket_id, c.token.attempt) not in seen]
-    sent = {(c.token.ticket_id, c.token.attempt): c for c in prefill.kv_checksums}
+    sent = {(c.token.ticket_id, c.token.attempt): c for w in prefill_workers
+            for c in (await status_of(w)).kv_checksums}
     assert len(landed) == len(replies)
     expected_blocks = sorted(
         math.ceil(len(p) / BLOCK_SIZE) - (2 if name == "decode_has_prefix" else 0)
