@@ -39,7 +39,8 @@ Two engines per disaggregated configuration means twice the cores of the colocat
 cost per request.
 
     python bench/vllm_pd.py [--model-path DIR] [--lengths 512,1024,1536,2048]
-        [--concurrency 1,4] [--max-tokens 32] [--rounds 2] [--dtype float32] [--out vllm_pd.png]
+        [--concurrency 1,4] [--max-tokens 32] [--rounds 2] [--dtype float32]
+        [--out bench/out/vllm_pd.png]
 
 Without ``--model-path`` SmolLM2-135M-Instruct is written to a temporary folder first (from its
 PyPI package, about 30 s). Prints a table per concurrency, writes a PNG (TTFT by configuration,
@@ -356,6 +357,7 @@ def _plot(configs: list[Config], concurrencies: list[int], timeline: Sample | No
         right.set_title(f"{timeline.config}: one {timeline.num_prompt_tokens}-token prompt")
         right.legend(loc="lower right")
     figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=120)
     _log(f"plot written to {out}")
 
@@ -459,7 +461,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", help="engines' dtype (float32: exactness)")
     parser.add_argument("--transports", default="tcp,nixl", help="pdserve transports to run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("vllm_pd.png"))
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parent / "out" / "vllm_pd.png")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.concurrency = sorted(int(x) for x in args.concurrency.split(","))
