@@ -271,6 +271,8 @@ class Outcome:
     detail: str = ""
     num_resumes: int = 0
     """Tries that resumed the stream after some tokens (``resume_token_ids``)."""
+    num_failovers: int = 0
+    """Decode workers the router moved the stream off mid-way (``RequestTiming.num_failovers``)."""
 
 
 def _prompt(rng: random.Random, num_tokens: int) -> str:
@@ -355,8 +357,10 @@ class Load:
                                time.monotonic(), detail, num_resumes)
             is_complete = (last is not None and len(received) == self.max_tokens
                            and last.finish_reason == pb.FINISH_REASON_LENGTH)
+            num_failovers = last.timing.num_failovers if last is not None else 0
             return Outcome(request_id, "completed" if is_complete else "truncated", "",
-                           len(received), tries, started, time.monotonic(), "", num_resumes)
+                           len(received), tries, started, time.monotonic(), "", num_resumes,
+                           num_failovers)
         return Outcome(request_id, "failed", code, len(received), tries, started,
                        time.monotonic(), detail, num_resumes)
 

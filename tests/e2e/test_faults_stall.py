@@ -130,9 +130,11 @@ async def test_a_frozen_sender_on_skewed_clocks_is_fenced_off_and_its_request_re
 async def test_a_frozen_decode_worker_ends_its_streams_cleanly_and_is_taken_back(
         stack: Stack) -> None:
     """SIGSTOP of a decode worker mid-decode: its streams stop with no error from the network
-    (the process is alive, its sockets open). The router's idle timeout ends them with
-    DEADLINE_EXCEEDED (past the first token) or retries them elsewhere (before it) long before
-    a client would call them hung; resumed, the worker is taken back and its ledger is exact."""
+    (the process is alive, its sockets open). The router's idle timeout (or the pool declaring
+    the worker failed) ends them: past the first token they fail over to the other decode worker
+    (or, if the router gives up within its bounds, the client resumes them), before it they are
+    retried elsewhere, long before a client would call them hung: every stream completes.
+    Resumed, the worker is taken back and its ledger is exact."""
     load = Load(stack.router_addresses, concurrency=3, max_tokens=64,
                 prompt_tokens=(100, 400)).start()
     victim = await asyncio.to_thread(catch_in_phase, stack.decode_workers, "decoding")
@@ -147,10 +149,12 @@ async def test_a_frozen_decode_worker_ends_its_streams_cleanly_and_is_taken_back
 
     assert summary(outcomes)["completed"] > 0
     assert_clean(outcomes)
-    failed = [o for o in outcomes if o.kind == "failed"]
-    assert failed, "no stream was on the frozen worker"
-    assert all(o.num_tokens > 0 and o.code == "DEADLINE_EXCEEDED" for o in failed), failed[:3]
-    assert all(o.ended_s - o.started_s < HANG_S / 2 for o in failed)
+    assert not [o for o in outcomes if o.kind == "failed"], failure_reasons(outcomes)
+    # Moved off the frozen worker by the router (a failover) or, where the router gave up
+    # within its failover bounds, by the client resuming with the tokens it had.
+    moved = [o for o in outcomes if o.num_failovers or o.num_resumes]
+    assert moved, "no stream was moved off the frozen worker"
+    assert all(o.ended_s - o.started_s < HANG_S / 2 for o in moved)
     await asyncio.to_thread(wait_router_sees, stack.routers[0], 2, 2, 30.0)
     report = await settled_audit(stack)
     assert report.is_ok, report
