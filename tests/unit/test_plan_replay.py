@@ -82,7 +82,7 @@ def test_rate_on_a_trace_compresses_its_own_gaps() -> None:
 
 
 def test_a_burst_a_poisson_model_absorbs_makes_the_planner_add_instances() -> None:
-    trace = _bursty_trace(20.0)
+    trace = _bursty_trace(20.0, duration_s=300.0)
     demand = pc.demand_from_trace(trace)
     poisson = pl.plan(dataclasses.replace(demand, arrivals=None), SLO, [SHAPE], [SHAPE])
     bursty = pl.plan(demand, SLO, [SHAPE], [SHAPE])
@@ -102,7 +102,7 @@ def test_a_burst_a_poisson_model_absorbs_makes_the_planner_add_instances() -> No
 
 
 def test_replay_misses_are_blamed_on_the_pool_that_caused_them() -> None:
-    trace = _bursty_trace(20.0)
+    trace = _bursty_trace(20.0, duration_s=300.0)
     demand = pc.demand_from_trace(trace)
     small = dataclasses.replace(pl.plan(demand, SLO, [SHAPE], [SHAPE]).config, num_prefill=1)
     result = pc.replay_config(small, trace, SLO)
@@ -164,3 +164,32 @@ def test_plan_prints_prediction_beside_replay(
     assert "predicted" in text and "replayed" in text and "offered plan" in text
     pytest.importorskip("matplotlib")
     assert (out / "plan_replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_governor_plans_and_replays_its_observed_window() -> None:
+    from pdserve.common.types import FencingToken, Ticket, TicketState
+    from pdserve.governor.live_plan import observed_trace, plan_observed_window
+
+    source = _bursty_trace(10.0, duration_s=240.0)
+    start_s = 1000.0
+
+    def ticket(i: int, attempt: int, delay_s: float) -> Ticket:
+        at_s = start_s + 1.0 + float(source.arrival_s[i]) + delay_s
+        return Ticket(FencingToken(f"t{i}-{attempt}", 1), "d", "d0", "p0", 10,
+                      TicketState.DONE, False, at_s + 5.0, at_s, at_s, request_id=f"r{i}",
+                      num_prompt_tokens=int(source.prompt_tokens[i]))
+
+    tickets = [ticket(i, 1, 0.0) for i in range(source.num_requests)]
+    tickets += [ticket(i, 2, 0.3) for i in range(0, source.num_requests, 10)]  # retries
+    tickets.append(dataclasses.replace(tickets[0], deployment="other"))
+    end_s = start_s + 1.0 + float(source.arrival_s[-1])
+    trace = observed_trace(tickets, "d", start_s, end_s, 99.5)
+    assert trace is not None and trace.num_requests == source.num_requests
+    assert np.allclose(trace.arrival_s, source.arrival_s)
+    assert np.array_equal(trace.prompt_tokens, source.prompt_tokens)
+    assert set(trace.output_tokens.tolist()) == {100}
+    assert observed_trace(tickets[:10], "d", start_s, end_s, 100.0) is None
+    checked = plan_observed_window(tickets, "d", start_s, end_s, mean_output_tokens=100.0,
+                                   slo=SLO, shapes=[SHAPE])
+    assert checked is not None and checked.is_met
+    assert checked.steps[-1].replayed_attainment >= SLO.attainment_target
