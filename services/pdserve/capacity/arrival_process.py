@@ -69,6 +69,9 @@ busiest windows decide. The levels are the cells of both cuts (the two intensiti
 tied: a burst of short requests loads prefill, not decode), each decode value shared by its
 column so a prediction computes each decode state once."""
 
+MAX_WINDOWS = 20_000
+"""Most windows a trace is cut into (a bound on the work per prediction)."""
+
 MIN_WINDOWS = 8
 """Fewer windows than this over the trace: too short to measure burstiness (treated as
 Poisson)."""
@@ -155,8 +158,11 @@ class ArrivalProfile:
             raise InvalidArgumentError("rate and windows must be > 0", field="rate")
         # A window of w seconds at rate R spans w x R / own_rate seconds of the observed times.
         stretch = rate_per_s / self.mean_rate_per_s
-        series = _mixture(self, round(prefill_window_s * stretch, 9),
-                          round(max(decode_window_s, prefill_window_s) * stretch, 9))
+        # Far below the trace's own rate the windows would be far shorter than its gaps (and
+        # countless): no window is shorter than 1 / MAX_WINDOWS of the trace.
+        prefill_own_s = max(prefill_window_s * stretch, self.duration_s / MAX_WINDOWS)
+        decode_own_s = max(decode_window_s * stretch, prefill_own_s)
+        series = _mixture(self, round(prefill_own_s, 9), round(decode_own_s, 9))
         return dataclasses.replace(series, window_s=series.window_s / stretch)
 
     def index_of_dispersion(self, window_s: float) -> float:

@@ -278,9 +278,10 @@ class GoodputPoint(Generic[ConfigT]):
 
 
 def sweep_pd(demand: Demand, slo: Slo, prefill: InstanceShape, decode: InstanceShape,
-             num_gpus: int, attainment_at: Callable[[DisaggConfig, float], float] | None = None
-             ) -> tuple[GoodputPoint[DisaggConfig], ...]:
-    """Goodput of every split of ``num_gpus`` GPUs into prefill and decode instances.
+             num_gpus: int, attainment_at: Callable[[DisaggConfig, float], float] | None = None,
+             relative_tolerance: float = 2e-3) -> tuple[GoodputPoint[DisaggConfig], ...]:
+    """Goodput of every split of ``num_gpus`` GPUs into prefill and decode instances, each to
+    ``relative_tolerance`` of its rate.
 
     ``attainment_at(config, rate)`` evaluates a configuration (default: this module's model);
     pass the simulator's to sweep by simulation. Each split keeps the local-prefill threshold
@@ -301,6 +302,7 @@ def sweep_pd(demand: Demand, slo: Slo, prefill: InstanceShape, decode: InstanceS
         else:
             def evaluate(rate: float, c: DisaggConfig = config) -> float:
                 return attainment_at(c, rate)
-        rate = max_rate(evaluate, slo.attainment_target, max(demand.rate_per_s, 1e-3))
+        rate = max_rate(evaluate, slo.attainment_target, max(demand.rate_per_s, 1e-3),
+                        relative_tolerance=relative_tolerance)
         points.append(GoodputPoint(config, rate))
     return tuple(points)
