@@ -64,10 +64,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.capacity.arrival_process import WindowSeries
 from pdserve.capacity.latency_model import (
     Prediction,
     TtftGroup,
@@ -163,9 +165,141 @@ def predict(config: DisaggConfig, demand: Demand, slo: Slo) -> Prediction:
 
 
 def predict_workload(config: DisaggConfig, workload: Workload, rate_per_s: float, slo: Slo,
-                     with_percentiles: bool = True) -> Prediction:
+                     with_percentiles: bool = True,
+                     decode_rate_per_s: float | None = None) -> Prediction:
     """``predict`` for a workload already built, at ``rate_per_s``; without percentiles (NaN
-    then) it is the cheap form the planner's searches evaluate many times."""
+    then) it is the cheap form the planner's searches evaluate many times.
+    ``decode_rate_per_s`` (default ``rate_per_s``) is the rate the decode pool sees, which
+    differs from the prefill pool's during a burst (``arrival_process``)."""
+    evaluated = _evaluate(config, workload, rate_per_s, slo, decode_rate_per_s)
+    if evaluated.groups is None or not with_percentiles:
+        return evaluated.prediction
+    return dataclasses.replace(
+        evaluated.prediction,
+        ttft_s=ttft_percentile(evaluated.groups, slo.percentile, workload.size),
+        tpot_s=tpot_percentile(evaluated.tpot_mean, evaluated.tpot_sd, evaluated.has_steps,
+                               slo.percentile))
+
+
+def predict_mixture(config: DisaggConfig, workload: Workload, rate_per_s: float,
+                    series: WindowSeries, slo: Slo, with_percentiles: bool = True) -> Prediction:
+    """The prediction for arrivals at mean rate ``rate_per_s`` that arrive as ``series``
+    (``arrival_process``): attainment by ``series_attainment``; percentiles over the mixture of
+    the series' levels, each by the stationary model (a level the prefill pool cannot keep up
+    with counts as infinitely late there). The means, utilisation and batch reported are the
+    mean rate's (what an operator would watch on average)."""
+    at_mean = predict_workload(config, workload, rate_per_s, slo, with_percentiles=False)
+    attainment = series_attainment(config, workload, rate_per_s, series, slo)
+    ttft_p = tpot_p = math.nan
+    if with_percentiles:
+        cache: dict[float, _DecodeState | None] = {}
+        parts = [(level.share, _evaluate(config, workload, rate_per_s * level.prefill_factor,
+                                         slo, rate_per_s * level.decode_factor, cache))
+                 for level in series.levels]
+        stable = [(share, part) for share, part in parts if part.groups is not None]
+        ttft_p = _mixture_percentile(stable, slo.percentile, lambda part, x: float(
+            ttft_cdf(part.groups or [], x, workload.size).mean()), 600.0)
+        tpot_p = _mixture_percentile(stable, slo.percentile, lambda part, x: float(
+            tpot_attainment(part.tpot_mean, part.tpot_sd, part.has_steps, x)[
+                part.has_steps].mean()) if part.has_steps.any() else 1.0, 10.0)
+    return dataclasses.replace(at_mean, attainment=attainment, ttft_s=ttft_p, tpot_s=tpot_p)
+
+
+def series_attainment(config: DisaggConfig, workload: Workload, rate_per_s: float,
+                      series: WindowSeries, slo: Slo) -> float:
+    """SLO attainment of arrivals at mean rate ``rate_per_s`` arriving as ``series``.
+
+    Calm windows: the stationary model at the window's level (pointwise stationary
+    approximation, ``arrival_process``). Congested windows (the prefill pool is overloaded in
+    it, or still works off the backlog an earlier one left): the fluid approximation of the
+    prefill queue across windows, ``B_{k+1} = max(0, B_k + (rho_k - 1) x window)`` (Lindley's
+    recursion on the work in seconds per instance; ``rho_k`` the utilisation the work that
+    arrived in the window would cause, ``WindowSeries.prefill_load``), a
+    request in window ``k`` waiting ``B_k + (rho_k - 1) x window / 2`` on average and meeting
+    TTFT when that wait plus its own prefill and transfer fits in the bound; its TPOT as at the
+    window's decode level. The fluid part ignores the random wait on top of the backlog (the
+    backlog dominates there) and the wait for KV room."""
+    cache: dict[float, _DecodeState | None] = {}
+    evaluations = [_evaluate(config, workload, rate_per_s * level.prefill_factor, slo,
+                             rate_per_s * level.decode_factor, cache) for level in series.levels]
+    stationary = np.array([e.prediction.attainment for e in evaluations])
+    attained = stationary[series.cell]
+    remote = workload.uncached > config.local_prefill_threshold_tokens
+    if not remote.any():
+        return float(np.dot(series.share, attained))
+    prefill_s = prefill_times_s(config.prefill, workload)
+    mean_utilization = (rate_per_s * float(remote.mean()) * float(prefill_s[remote].mean())
+                        / config.num_prefill)
+    utilization = mean_utilization * series.prefill_load
+    growth_s = (utilization - 1.0) * series.window_s
+    before = np.concatenate(([0.0], np.cumsum(growth_s)[:-1]))
+    backlog_s = before - np.minimum(0.0, np.minimum.accumulate(before))
+    wait_s = np.maximum(0.0, backlog_s + growth_s / 2.0)
+    congested = (utilization >= 1.0) | (backlog_s > CONGESTED_BACKLOG_SLOS * slo.ttft_s)
+    if not congested.any():
+        return float(np.dot(series.share, attained))
+    fixed = np.sort((prefill_s + transfer_exposed_s(config.prefill, workload, prefill_s))[remote])
+    remote_share = float(remote.mean())
+    ttft_ok = (remote_share * np.searchsorted(fixed, slo.ttft_s - wait_s[congested],
+                                              side="right") / fixed.size + (1.0 - remote_share))
+    tpot_by_level = np.array([_tpot_ok(cache.get(rate_per_s * level.decode_factor), workload,
+                                       slo) for level in series.levels])
+    attained = attained.copy()
+    attained[congested] = ttft_ok * tpot_by_level[series.cell[congested]]
+    return float(np.dot(series.share, attained))
+
+
+CONGESTED_BACKLOG_SLOS = 0.05
+"""A window whose fluid backlog exceeds this share of the TTFT bound is congested."""
+
+
+def _tpot_ok(decode: _DecodeState | None, workload: Workload, slo: Slo) -> float:
+    """Mean ``P(TPOT_i <= slo)`` at a decode state (0 if the pool cannot keep up)."""
+    if decode is None:
+        return 0.0
+    tpot_mean, tpot_sd = _tpot_moments(decode, workload)
+    return float(tpot_attainment(tpot_mean, tpot_sd, workload.steps > 0, slo.tpot_s).mean())
+
+
+def _mixture_percentile(parts: Sequence[tuple[float, _Evaluated]], percentile: float,
+                        cdf: Callable[[_Evaluated, float], float], high_s: float) -> float:
+    """The ``percentile`` of a mixture of laws (unstable parts count as infinitely late):
+    bisection on the mixture's CDF up to ``high_s``; ``inf`` beyond it."""
+    target = percentile / 100.0
+
+    def mixed(x: float) -> float:
+        return sum(share * cdf(part, x) for share, part in parts)
+
+    if mixed(high_s) < target:
+        return math.inf
+    low, high = 0.0, high_s
+    for _ in range(50):
+        middle = 0.5 * (low + high)
+        if mixed(middle) >= target:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+@dataclass(frozen=True, slots=True)
+class _Evaluated:
+    """One stationary evaluation: the prediction without percentiles, and (stable only) the
+    per-request laws percentiles are read from."""
+
+    prediction: Prediction
+    groups: list[TtftGroup] | None = None
+    tpot_mean: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    tpot_sd: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    has_steps: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+
+def _evaluate(config: DisaggConfig, workload: Workload, rate_per_s: float, slo: Slo,
+              decode_rate_per_s: float | None = None,
+              decode_cache: dict[float, _DecodeState | None] | None = None) -> _Evaluated:
+    """The stationary model at ``rate_per_s`` (prefill) and ``decode_rate_per_s`` (decode);
+    ``decode_cache`` shares decode states between evaluations at the same decode rate."""
+    decode_rate = rate_per_s if decode_rate_per_s is None else decode_rate_per_s
     threshold = config.local_prefill_threshold_tokens
     local = workload.uncached <= threshold
     remote = ~local
@@ -174,16 +308,21 @@ def predict_workload(config: DisaggConfig, workload: Workload, rate_per_s: float
     mean_service, scv = moments(prefill_s[remote])
     remote_rate = rate_per_s * float(remote.mean())
     prefill_wait = mgc_wait(remote_rate, mean_service, scv, config.num_prefill)
-    decode = _decode_state(config, workload, rate_per_s, local, local_prefill_s)
-    if not prefill_wait.is_stable or decode is None:
-        return unstable_prediction(rate_per_s)
+    if decode_cache is not None and decode_rate in decode_cache:
+        decode = decode_cache[decode_rate]
+    else:
+        decode = _decode_state(config, workload, decode_rate, local, local_prefill_s)
+        if decode_cache is not None:
+            decode_cache[decode_rate] = decode
+    if decode is None or not prefill_wait.is_stable:
+        return _Evaluated(unstable_prediction(rate_per_s))
     transfer_s = transfer_exposed_s(config.prefill, workload, prefill_s)
     fixed = np.where(remote, prefill_s + transfer_s, decode.step_s / 2.0 + local_prefill_s)
     queue_mean = np.where(remote, prefill_wait.mean_s, 0.0)
     residence = fixed + queue_mean + workload.steps * decode.mean_tpot_s
-    kv = kv_admission(config.decode, workload, rate_per_s, config.num_decode, residence)
+    kv = kv_admission(config.decode, workload, decode_rate, config.num_decode, residence)
     if not kv.wait.is_stable:
-        return unstable_prediction(rate_per_s, kv.num_slots)
+        return _Evaluated(unstable_prediction(rate_per_s, kv.num_slots))
     groups = [TtftGroup(remote, fixed[remote], prefill_wait, kv.wait),
               TtftGroup(local, fixed[local], NO_WAIT, kv.wait)]
     has_steps = workload.steps > 0
@@ -191,16 +330,11 @@ def predict_workload(config: DisaggConfig, workload: Workload, rate_per_s: float
     ttft_ok = ttft_cdf(groups, slo.ttft_s, workload.size)
     tpot_ok = tpot_attainment(tpot_mean, tpot_sd, has_steps, slo.tpot_s)
     attainment = float((ttft_ok * tpot_ok).mean())
-    if with_percentiles:
-        ttft_p = ttft_percentile(groups, slo.percentile, workload.size)
-        tpot_p = tpot_percentile(tpot_mean, tpot_sd, has_steps, slo.percentile)
-    else:
-        ttft_p = tpot_p = math.nan
-    return Prediction(
+    prediction = Prediction(
         rate_per_s=rate_per_s,
         attainment=attainment,
-        ttft_s=ttft_p,
-        tpot_s=tpot_p,
+        ttft_s=math.nan,
+        tpot_s=math.nan,
         mean_ttft_s=float((fixed + queue_mean).mean()) + kv.wait.mean_s,
         mean_tpot_s=float(tpot_mean[has_steps].mean()) if has_steps.any() else 0.0,
         mean_queue_wait_s=prefill_wait.mean_s,
@@ -210,6 +344,7 @@ def predict_workload(config: DisaggConfig, workload: Workload, rate_per_s: float
         num_kv_slots=kv.num_slots,
         local_prefill_fraction=float(local.mean()),
     )
+    return _Evaluated(prediction, groups, tpot_mean, tpot_sd, has_steps)
 
 
 # -- local-prefill threshold -------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.capacity.arrival_process import ArrivalProfile
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.perf.catalog import get_gpu, get_model
 from pdserve.perf.kv_budget import CapacityConfig, CapacityReport, capacity_report
@@ -22,16 +23,19 @@ from pdserve.perf.perf_model import PerfModel, perf_model_for
 
 @dataclass(frozen=True, slots=True)
 class Demand:
-    """What arrives: Poisson arrivals at ``rate_per_s``; request ``i`` of the sample has
+    """What arrives: requests at mean rate ``rate_per_s``; request ``i`` of the sample has
     ``prompt_tokens[i]`` prompt and ``output_tokens[i]`` output tokens (pairs, e.g. trace rows).
 
     ``prefix_hit_rate`` is the fraction of prompt tokens found in a prefix cache, in [0, 1).
+    ``arrivals``: the observed arrival pattern (e.g. a trace's timestamps), rescaled to
+    ``rate_per_s`` (``arrival_process``); None means Poisson arrivals.
     """
 
     rate_per_s: float
     prompt_tokens: tuple[int, ...]
     output_tokens: tuple[int, ...]
     prefix_hit_rate: float = 0.0
+    arrivals: ArrivalProfile | None = None
 
     def __post_init__(self) -> None:
         if not (self.rate_per_s >= 0.0 and math.isfinite(self.rate_per_s)):

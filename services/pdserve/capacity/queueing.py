@@ -57,6 +57,10 @@ def erlang_c(num_servers: int, offered_load: float) -> float:
     blocking = 1.0
     for k in range(1, num_servers + 1):
         blocking = offered_load * blocking / (k + offered_load * blocking)
+        if blocking < 1e-18 and k > offered_load:
+            # Past the load, B(k) only falls (by a factor a / k per server): waiting is
+            # negligible. Stopping here keeps pools of thousands of KV slots cheap.
+            break
     rho = offered_load / num_servers
     return blocking / (1.0 - rho * (1.0 - blocking))
 

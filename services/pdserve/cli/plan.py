@@ -4,6 +4,13 @@ Prints the cheapest configuration the planner finds (``pdserve.capacity.planner`
 predicted TTFT/TPOT at the SLO percentile, the local-prefill threshold and its goodput per GPU;
 then the goodput per GPU of every prefill:decode split of the same GPU budget, drawn as a PNG
 when ``--out`` is given.
+
+With ``--trace`` the planner sizes for the trace's own arrival process (its bursts, not only
+its mean rate; ``--rate`` compresses or stretches its timestamps to that mean rate), then
+replays the candidate through the simulator on the trace and grows it until the replay meets
+the percentile (``pdserve.sim.plan_check``); the arrival model's prediction and the replayed
+attainment are printed side by side, and the plot shows both for every candidate replayed.
+``--json`` prints the plan as one JSON object instead of tables.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.plotting import pyplot
 
 DEFAULT_TP_SIZES = "1,2,4,8"
+REPLAY_BUDGET_S = 40.0
+"""Seconds of replays after which ``--trace`` offers the last candidate (the command stays
+within a minute)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,47 +63,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPU memory fraction the engine may use")
     parser.add_argument("--max-gpus", type=int, default=4096, help="largest plan considered")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="write the sweep plot (plan_sweep.png) to this directory")
+                        help="write the sweep plot (plan_sweep.png; with --trace also "
+                             "plan_replay.png) to this directory")
+    parser.add_argument("--json", action="store_true",
+                        help="print the plan as one JSON object (instances and TP per pool, "
+                             "predicted and replayed attainment)")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="with --trace: offer the arrival model's plan without replaying it")
+    parser.add_argument("--max-replays", type=int, default=12,
+                        help="with --trace: most candidates replayed before giving up")
 
 
-def trace_prefix_hit_rate(trace: Any) -> float:
-    """Fraction of prompt tokens an unbounded prefix cache would hold, from a trace's prefix
-    block ids (Mooncake): a request's leading blocks whose ids an earlier request carried."""
-    if not trace.has_prefix_hashes:
-        return 0.0
-    seen: set[int] = set()
-    hit_tokens = 0
-    total = int(trace.prompt_tokens.sum())
-    for index in range(trace.num_requests):
-        row = int(trace.hash_row[index])
-        if row < 0:
-            continue
-        ids = trace.hash_ids[trace.hash_offsets[row]:trace.hash_offsets[row + 1]].tolist()
-        prompt = int(trace.prompt_tokens[index])
-        leading = 0
-        for block_id in ids:
-            if block_id not in seen:
-                break
-            leading += 1
-        seen.update(ids)
-        hit_tokens += min(leading * trace.hash_block_tokens, prompt - 1)
-    return hit_tokens / total if total else 0.0
+def trace_at_rate(args: argparse.Namespace) -> Any:
+    """The ``--trace`` at ``--rate`` (its timestamps compressed or stretched), or as is."""
+    from pdserve.sim.plan_check import at_rate
+    from pdserve.sim.traces import load_trace
+
+    trace = load_trace(args.trace)
+    if trace.num_requests < 2 or trace.mean_rate_per_s <= 0:
+        raise InvalidArgumentError(
+            f"trace {args.trace} needs at least two requests at different times", field="trace")
+    if args.rate is not None:
+        if not args.rate > 0:
+            raise InvalidArgumentError(f"--rate must be > 0, got {args.rate}", field="rate")
+        trace = at_rate(trace, args.rate)
+    return trace
 
 
-def demand_from_args(args: argparse.Namespace) -> Any:
+def demand_from_args(args: argparse.Namespace, trace: Any = None) -> Any:
+    """The planner's demand: from ``trace`` (already at the rate) with its arrival pattern, or
+    from the means (Poisson arrivals)."""
     from pdserve.capacity.plan_inputs import Demand
 
-    if args.trace:
-        from pdserve.sim.traces import load_trace
+    if trace is not None:
+        from pdserve.sim.plan_check import demand_from_trace
 
-        trace = load_trace(args.trace)
-        if trace.num_requests == 0:
-            raise InvalidArgumentError(f"trace {args.trace} has no requests", field="trace")
-        rate = args.rate if args.rate is not None else trace.mean_rate_per_s
-        hit = (args.prefix_hit_rate if args.prefix_hit_rate is not None
-               else trace_prefix_hit_rate(trace))
-        return Demand(rate, tuple(trace.prompt_tokens.tolist()),
-                      tuple(trace.output_tokens.tolist()), prefix_hit_rate=hit)
+        return demand_from_trace(trace, prefix_hit_rate=args.prefix_hit_rate)
     if args.rate is None or args.output_mean is None:
         raise InvalidArgumentError("--prompt-mean needs --output-mean and --rate",
                                    field="output_mean")
@@ -153,22 +158,141 @@ def plot_sweep(points: Sequence[Any], marked: dict[str, float], path: Path, titl
     return True
 
 
+def plot_replay(checked: Any, path: Path, title: str) -> bool:
+    """The arrival model's prediction and the replayed attainment of every candidate replayed,
+    against its GPUs, with the target. Returns False (and draws nothing) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    gpus_per = (checked.plan.config.prefill.tp_size, checked.plan.config.decode.tp_size)
+    gpus = [s.num_prefill * gpus_per[0] + s.num_decode * gpus_per[1] for s in checked.steps]
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    axis.plot(gpus, [100 * s.predicted_attainment for s in checked.steps], "o--",
+              label="arrival model")
+    axis.plot(gpus, [100 * s.replayed_attainment for s in checked.steps], "s-",
+              label="replayed on the trace")
+    axis.axhline(100 * checked.target, color="gray", linestyle=":", label="target")
+    for step, x in zip(checked.steps, gpus, strict=True):
+        axis.annotate(f"{step.num_prefill}P+{step.num_decode}D",
+                      (x, 100 * step.replayed_attainment), fontsize=8,
+                      textcoords="offset points", xytext=(4, -10))
+    axis.set_xlabel("GPUs")
+    axis.set_ylabel("SLO attainment %")
+    axis.set_title(title, fontsize=10)
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def plan_document(result: Any, demand: Any, slo: Any, checked: Any = None) -> dict[str, Any]:
+    """The ``--json`` object: instances and TP per pool, predicted and replayed attainment."""
+    config = result.config
+    return {
+        "model": config.prefill.model, "gpu": config.prefill.gpu,
+        "rate_per_s": demand.rate_per_s,
+        "arrival_model": "poisson" if demand.arrivals is None else "trace",
+        "slo": {"ttft_ms": slo.ttft_s * 1000.0, "tpot_ms": slo.tpot_s * 1000.0,
+                "percentile": slo.percentile},
+        "prefill": {"tp": config.prefill.tp_size, "instances": config.num_prefill,
+                    "gpus": config.num_prefill_gpus},
+        "decode": {"tp": config.decode.tp_size, "instances": config.num_decode,
+                   "gpus": config.num_decode_gpus},
+        "num_gpus": config.num_gpus,
+        "local_prefill_threshold_tokens": config.local_prefill_threshold_tokens,
+        "predicted_attainment": result.prediction.attainment,
+        "replayed_attainment": None if checked is None else checked.replayed_attainment,
+        "is_met": None if checked is None else checked.is_met,
+        "goodput_rate_per_s": result.goodput_rate_per_s,
+        "replays": [] if checked is None else [
+            {"num_prefill": s.num_prefill, "num_decode": s.num_decode,
+             "predicted_attainment": s.predicted_attainment,
+             "replayed_attainment": s.replayed_attainment} for s in checked.steps],
+    }
+
+
 def run(args: argparse.Namespace) -> int:
+    import json
+
     from pdserve.capacity import planner as pl
     from pdserve.capacity.plan_inputs import Slo
 
     slo = Slo(args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0, args.percentile)
-    demand = demand_from_args(args)
+    trace = trace_at_rate(args) if args.trace else None
+    demand = demand_from_args(args, trace)
     if demand.rate_per_s <= 0:
         raise InvalidArgumentError(f"--rate must be > 0, got {demand.rate_per_s}", field="rate")
     prefill_shapes = _shapes(args, args.prefill_tp)
     decode_shapes = _shapes(args, args.decode_tp)
-    result = pl.plan(demand, slo, prefill_shapes, decode_shapes, max_gpus=args.max_gpus)
+    checked = None
+    if trace is not None and not args.no_replay:
+        from pdserve.sim.plan_check import check_plan
+
+        checked = check_plan(demand, slo, prefill_shapes, decode_shapes, trace,
+                             max_gpus=args.max_gpus, max_replays=args.max_replays,
+                             time_budget_s=REPLAY_BUDGET_S)
+        result = checked.plan
+    else:
+        result = pl.plan(demand, slo, prefill_shapes, decode_shapes, max_gpus=args.max_gpus)
+    if args.json:
+        print(json.dumps(plan_document(result, demand, slo, checked)))
+        return 0
+    _print_plan(args, result, demand, checked)
+    config = result.config
+    if checked is not None:
+        print()
+        print(f"replayed on {Path(args.trace).name} at {demand.rate_per_s:g} req/s (its own "
+              f"timestamps, compressed or stretched): the arrival model's prediction beside the "
+              f"simulator's replay, for each candidate")
+        print(table(["prefill", "decode", "gpus", "predicted", "replayed", "misses P/D"], [
+            [str(s.num_prefill), str(s.num_decode),
+             str(s.num_prefill * config.prefill.tp_size + s.num_decode * config.decode.tp_size),
+             f"{s.predicted_attainment:.1%}", f"{s.replayed_attainment:.1%}",
+             f"{s.num_prefill_misses}/{s.num_decode_misses}"] for s in checked.steps]))
+        verdict = "meets" if checked.is_met else "does NOT meet"
+        print(f"offered plan: predicted {checked.predicted_attainment:.1%}, replayed "
+              f"{checked.replayed_attainment:.1%}: {verdict} the {args.percentile:g}% target")
+    # A trace's arrival model evaluates dozens of windows per rate: 2% is plenty for a sweep.
+    points = pl.sweep_pd(demand, slo, config.prefill, config.decode, config.num_gpus,
+                         relative_tolerance=2e-3 if demand.arrivals is None else 0.02)
+    best = max(points, key=lambda q: q.goodput_per_gpu)
+    print()
+    print(f"sweep: every prefill:decode split of {config.num_gpus} GPUs (TP "
+          f"{config.prefill.tp_size}/{config.decode.tp_size}), analytic model")
+    print(table(["prefill", "decode", "P:D gpus", "goodput req/s", "per gpu", ""], [
+        [str(q.config.num_prefill), str(q.config.num_decode), f"{q.config.pd_ratio:.3f}",
+         f"{q.goodput_rate_per_s:.2f}", f"{q.goodput_per_gpu:.3f}",
+         ("plan " if q.config.num_prefill == config.num_prefill else "")
+         + ("best" if q is best else "")] for q in points]))
+    if args.out:
+        title = (f"{config.prefill.model} on {config.prefill.gpu}, {demand.rate_per_s:g} req/s, "
+                 f"{config.num_gpus} GPUs")
+        paths = [(Path(args.out) / "plan_sweep.png",
+                  lambda path: plot_sweep(points, {"plan": config.pd_ratio}, path, title))]
+        if checked is not None:
+            paths.append((Path(args.out) / "plan_replay.png",
+                          lambda path: plot_replay(checked, path, title)))
+        for path, draw in paths:
+            if draw(path):
+                print(f"wrote {path}")
+            else:
+                print("matplotlib is not installed: no plot (pip install 'pdserve[plots]')")
+                break
+    return 0
+
+
+def _print_plan(args: argparse.Namespace, result: Any, demand: Any, checked: Any) -> None:
     config, prediction = result.config, result.prediction
-    print(f"{config.prefill.model} on {config.prefill.gpu}: {demand.rate_per_s:g} req/s, mean "
-          f"prompt {demand.mean_prompt_tokens:,.0f} / output {demand.mean_output_tokens:,.0f} "
-          f"tokens, prefix hits {demand.prefix_hit_rate:.0%}; SLO TTFT <= {args.slo_ttft_ms:g} "
-          f"ms and TPOT <= {args.slo_tpot_ms:g} ms for {args.percentile:g}% of requests")
+    arrivals = ("Poisson arrivals" if demand.arrivals is None
+                else "the trace's arrival process")
+    print(f"{config.prefill.model} on {config.prefill.gpu}: {demand.rate_per_s:g} req/s "
+          f"({arrivals}), mean prompt {demand.mean_prompt_tokens:,.0f} / output "
+          f"{demand.mean_output_tokens:,.0f} tokens, prefix hits {demand.prefix_hit_rate:.0%}; "
+          f"SLO TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms for "
+          f"{args.percentile:g}% of requests")
     print(table(["pool", "tp", "instances", "gpus"], [
         ["prefill", str(config.prefill.tp_size), str(config.num_prefill),
          str(config.num_prefill_gpus)],
@@ -186,29 +310,13 @@ def run(args: argparse.Namespace) -> int:
              f"({prediction.local_prefill_fraction:.0%} of requests)")
     goodput = (f"{result.goodput_rate_per_s:.2f} req/s = {result.goodput_per_gpu:.3f} req/s "
                "per GPU")
+    attainment = f"{prediction.attainment:.1%}"
+    if checked is not None:
+        attainment += f" (replayed: {checked.replayed_attainment:.1%})"
     print()
     print(table(["prediction", "value"], [
         [f"TTFT {p}", ttft], [f"TPOT {p}", tpot],
-        ["SLO attainment", f"{prediction.attainment:.1%}"],
+        ["SLO attainment", attainment],
         ["prefill utilisation", f"{prediction.prefill_utilization:.0%}"],
         ["decode batch / instance", batch], ["local-prefill threshold", local],
         ["P:D GPU ratio", f"{config.pd_ratio:.3f}"], ["goodput", goodput]], is_numeric=False))
-    points = pl.sweep_pd(demand, slo, config.prefill, config.decode, config.num_gpus)
-    best = max(points, key=lambda q: q.goodput_per_gpu)
-    print()
-    print(f"sweep: every prefill:decode split of {config.num_gpus} GPUs (TP "
-          f"{config.prefill.tp_size}/{config.decode.tp_size}), analytic model")
-    print(table(["prefill", "decode", "P:D gpus", "goodput req/s", "per gpu", ""], [
-        [str(q.config.num_prefill), str(q.config.num_decode), f"{q.config.pd_ratio:.3f}",
-         f"{q.goodput_rate_per_s:.2f}", f"{q.goodput_per_gpu:.3f}",
-         ("plan " if q.config.num_prefill == config.num_prefill else "")
-         + ("best" if q is best else "")] for q in points]))
-    if args.out:
-        path = Path(args.out) / "plan_sweep.png"
-        title = (f"{config.prefill.model} on {config.prefill.gpu}, {demand.rate_per_s:g} req/s, "
-                 f"{config.num_gpus} GPUs")
-        if plot_sweep(points, {"plan": config.pd_ratio}, path, title):
-            print(f"wrote {path}")
-        else:
-            print("matplotlib is not installed: no plot (pip install 'pdserve[plots]')")
-    return 0

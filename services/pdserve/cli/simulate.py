@@ -28,8 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of the trace's prefill and decode work")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply arrival times (0.5 = twice the rate, same requests)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="compress or stretch the trace's own timestamps to this mean rate, "
+                             "req/s (its bursts keep their shape; as pdserve plan --rate does)")
     parser.add_argument("--rate-scale", type=float, default=1.0,
-                        help="multiply the arrival rate (thinning below 1, jittered copies above)")
+                        help="multiply the arrival rate (thinning below 1, jittered copies "
+                             "above: smooths the trace's bursts away; --rate keeps them)")
     parser.add_argument("--jitter-s", type=float, default=60.0,
                         help="time jitter of replayed copies for --rate-scale > 1")
     parser.add_argument("--seed", type=int, default=0, help="seed for rate scaling")
@@ -86,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace, args.format or "", max_requests=args.max_requests)
     if args.time_scale != 1.0:
         trace = time_scale(trace, args.time_scale)
+    if args.rate is not None:
+        from pdserve.sim.plan_check import at_rate
+
+        trace = at_rate(trace, args.rate)
     if args.rate_scale != 1.0:
         trace = rate_scale(trace, args.rate_scale, seed=args.seed, jitter_s=args.jitter_s)
     if args.duration_s is not None:

@@ -42,13 +42,15 @@ class Recorder:
             "time_s", *TIMELINE_COUNTS, "num_queued", "kv_used_fraction")}
         n = trace.num_requests
         self._res_f = {name: array("d", bytes(8 * n)) for name in (
-            "ttft_s", "tpot_s", "finish_s", "compute_s", "transfer_s", "slot_wait_s")}
+            "ttft_s", "tpot_s", "finish_s", "compute_s", "transfer_s", "slot_wait_s",
+            "admission_wait_s")}
         self._res_ttft = self._res_f["ttft_s"]
         self._res_tpot = self._res_f["tpot_s"]
         self._res_finish = self._res_f["finish_s"]
         self._res_compute = self._res_f["compute_s"]
         self._res_transfer = self._res_f["transfer_s"]
         self._res_slot_wait = self._res_f["slot_wait_s"]
+        self._res_admission_wait = self._res_f["admission_wait_s"]
         self._res_status = array("b", [-1]) * n
         self._res_local = array("b", bytes(n))
         self._res_attempts = array("b", bytes(n))
@@ -73,6 +75,7 @@ class Recorder:
         self._res_finish[i] = now
         self._res_compute[i] = req.compute_s
         self._res_transfer[i] = req.transfer_s
+        self._res_admission_wait[i] = req.routed_s - req.arrival
         if req.output > 1:
             tpot = (now - req.first_s) / (req.output - 1)
             self._res_tpot[i] = tpot

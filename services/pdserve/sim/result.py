@@ -78,7 +78,9 @@ class SimResult:
     ``kv_used_fraction`` (reserved blocks / blocks of serving decode instances).
     ``ticket_transitions`` counts ticket moves ``(from, to) -> n``, each checked legal.
     Rejected and failed requests have ``finish_s`` (when they ended) and, if they had a first
-    token, ``ttft_s``; their other timings are 0. ``extra`` holds whole-run figures:
+    token, ``ttft_s``; their other timings are 0. ``admission_wait_s``: from arrival until the
+    router placed the last attempt (a wait in the admission queue for decode KV room; part of
+    ``queue_s``). ``extra`` holds whole-run figures:
     ``prefill_busy_fraction`` (prefill compute time / ready prefill instance time),
     ``decode_kv_used_fraction`` (reserved / serving decode blocks, time-weighted),
     ``decode_batch_slot_fraction`` and ``mean_running_per_decode`` (sequences past their
@@ -98,6 +100,7 @@ class SimResult:
     compute_s: np.ndarray
     transfer_s: np.ndarray
     slot_wait_s: np.ndarray
+    admission_wait_s: np.ndarray
     is_local_prefill: np.ndarray
     num_attempts: np.ndarray
     decode_instance: np.ndarray

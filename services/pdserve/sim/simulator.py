@@ -238,6 +238,7 @@ class Simulator:
         num_blocks = decision.num_blocks
         req.num_blocks = num_blocks
         req.num_attempts += 1
+        req.routed_s = self.now
         req.dec = dec
         req.ticket = OPEN  # a new ticket: no transition to count
         self._change_used(self.now, num_blocks)

@@ -76,6 +76,7 @@ class SimRequest:
         "pre",
         "prompt",
         "route_request",
+        "routed_s",
         "ticket",
         "transfer_s",
     )
@@ -96,6 +97,7 @@ class SimRequest:
         self.compute_s = 0.0
         self.transfer_s = 0.0
         self.first_s = -1.0
+        self.routed_s = arrival
         self.join_step = 0
         self.join_s = 0.0
         self.is_local = False
