@@ -45,7 +45,7 @@ def test_generate_and_status_carry_api_keys(tmp_path: Path) -> None:
         import grpc
 
         from pdserve.api.v1 import common_pb2, pool_pb2, pool_pb2_grpc
-        from pdserve.common.auth import bearer_metadata
+        from pdserve.common.credentials import bearer_metadata
 
         with grpc.insecure_channel(address) as channel:
             pool = pool_pb2_grpc.PoolServiceStub(channel)

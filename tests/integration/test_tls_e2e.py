@@ -30,7 +30,7 @@ import pytest
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc, router_pb2, router_pb2_grpc
-from pdserve.common.auth import bearer_metadata
+from pdserve.common.credentials import bearer_metadata
 
 pytest.importorskip("cryptography", reason="pdserve certs needs 'cryptography'")
 

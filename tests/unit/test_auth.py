@@ -26,17 +26,19 @@ from pdserve.common.auth import (
     Authenticator,
     AuthInterceptor,
     Decision,
-    KeyFile,
     Principal,
     Role,
-    TokenFile,
     auth_interceptor,
-    bearer_key,
-    bearer_metadata,
     decide,
-    parse_key_file,
 )
 from pdserve.common.certs import IssuedCert, make_dev_certs
+from pdserve.common.credentials import (
+    KeyFile,
+    TokenFile,
+    bearer_key,
+    bearer_metadata,
+    parse_key_file,
+)
 from pdserve.common.errors import ConfigError, UnauthenticatedError
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.settings import CommonSettings

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.common.auth import KeyTable, bearer_tenant
+from pdserve.common.credentials import KeyTable, bearer_tenant
 from pdserve.common.errors import UnauthenticatedError
 
 KEYS = KeyTable({"key-a": "tenant-a", "key-b": "tenant-b"})

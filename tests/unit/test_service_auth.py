@@ -35,8 +35,10 @@ from pdserve.common.auth import (
     Authenticator,
     AuthInterceptor,
     Role,
-    ServiceTokens,
     auth_interceptor,
+)
+from pdserve.common.credentials import (
+    ServiceTokens,
     bearer_interceptors,
     bearer_metadata,
     parse_service_token_file,

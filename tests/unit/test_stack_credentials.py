@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, pool_pb2_grpc
-from pdserve.common.auth import bearer_metadata, token_digest_line, worker_credential
+from pdserve.common.credentials import bearer_metadata, token_digest_line, worker_credential
 
 MODEL = "llama-3.1-8b"
 JOIN_TOKEN = "join-" + "j" * 27

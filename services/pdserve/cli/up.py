@@ -234,7 +234,7 @@ def internal_credentials(settings: UpSettings, directory: Path) -> tuple[UpSetti
 def write_token_digests(source: Path, digests: Path) -> bool:
     """Write the verify-only copy of the service token file ``source`` to ``digests`` if it
     differs; True when written. Raises ``ConfigError`` for a bad ``source``."""
-    from pdserve.common.auth import DIGEST_PREFIX, parse_service_token_file
+    from pdserve.common.credentials import DIGEST_PREFIX, parse_service_token_file
 
     tokens = parse_service_token_file(source.read_text(), str(source))
     text = "".join(DIGEST_PREFIX + token.digest.hex() + "\n" for token in tokens)
@@ -271,7 +271,7 @@ async def _up(settings: UpSettings) -> int:
 
 
 async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int:
-    from pdserve.common.auth import load_service_tokens
+    from pdserve.common.credentials import load_service_tokens
     from pdserve.common.grpc_server import GrpcServer
     from pdserve.common.runtime import setup_process, stop_on_signals
     from pdserve.common.types import WorkerRole

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdserve.common.auth import bearer_interceptors, outgoing_credential
+from pdserve.common.credentials import bearer_interceptors, outgoing_credential
 from pdserve.common.errors import (
     CapacityError,
     DeadlineError,

@@ -43,7 +43,7 @@ class PoolApp:
             policy, backend, prefix_index, clock, provisioner, lifecycle_sink
         )
         if settings.join_token_path is not None:
-            from pdserve.common.auth import TokenFile
+            from pdserve.common.credentials import TokenFile
 
             self.manager.join_token_source = TokenFile(settings.join_token_path).tokens
         self.servicer = PoolServicer({settings.role: self.manager}, backend.workers, backend.events,
@@ -104,7 +104,7 @@ def worker_credentials(settings: PoolSettings) -> Callable[[str], str] | None:
     """Worker id -> the credential a worker started by this pool gets, signed with the service
     token; None without a service token file (workers then present none). Kubernetes names its
     pods itself, so its workers get none this way (there, use mutual TLS)."""
-    from pdserve.common.auth import load_service_tokens
+    from pdserve.common.credentials import load_service_tokens
 
     tokens = load_service_tokens(settings)
     if tokens is None or tokens.presented() is None:
@@ -117,7 +117,7 @@ def newest_join_token(settings: PoolSettings) -> Callable[[], str]:
     moves the workers over, then removes the old one), else ``join_token``."""
     if settings.join_token_path is None:
         return lambda: settings.join_token
-    from pdserve.common.auth import TokenFile
+    from pdserve.common.credentials import TokenFile
 
     tokens = TokenFile(settings.join_token_path).tokens
     return lambda: tokens()[-1]

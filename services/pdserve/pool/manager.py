@@ -145,7 +145,7 @@ class PoolManager:
         self._check_token(join_token)
 
     join_token_source: Callable[[], Iterable[str]] | None = None
-    """When set (e.g. ``pdserve.common.auth.TokenFile.tokens``, which follows edits to its
+    """When set (e.g. ``pdserve.common.credentials.TokenFile.tokens``, which follows edits to its
     file), the join tokens valid now, replacing ``policy.join_token``: rotation adds a token,
     moves the workers over, then removes the old one, with no restart of the pool manager."""
 

@@ -76,7 +76,7 @@ class LocalProcessProvisioner:
                  stop_timeout_s: float = 10.0,
                  worker_credential: Callable[[str], str] | None = None) -> None:
         """``worker_credential``: worker id -> the signed credential that worker gets
-        (``PDSERVE_WORKER_CREDENTIAL``; ``auth.ServiceTokens.mint_worker_credential``)."""
+        (``PDSERVE_WORKER_CREDENTIAL``; ``credentials.ServiceTokens.mint_worker_credential``)."""
         self.base_args = list(base_args)
         """Arguments every launched worker gets (may be filled in after construction, e.g. once
         the control plane knows its own address)."""

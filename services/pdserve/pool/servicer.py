@@ -76,7 +76,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
                  events: PoolEventStream,
                  mint_credential: Callable[[str], str] | None = None) -> None:
         """``mint_credential``: worker id -> the worker credential a registration returns
-        (``auth.ServiceTokens.mint_worker_credential``); None: registrations return none."""
+        (``credentials.ServiceTokens.mint_worker_credential``); None: registrations return none."""
         self._managers = managers
         self._workers = workers
         self._events = events

@@ -94,7 +94,7 @@ class RouterApp:
         await self.follower.start()
         self._outcome_task = asyncio.create_task(self.outcomes.run(self._stop))
         if self.settings.http_port >= 0:
-            from pdserve.common.auth import load_key_file
+            from pdserve.common.credentials import load_key_file
             from pdserve.router.http_api import create_app, server_ssl_context, start_http_server
 
             settings = self.settings

@@ -38,7 +38,7 @@ from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
-from pdserve.common.auth import KeyTable, bearer_tenant
+from pdserve.common.credentials import KeyTable, bearer_tenant
 from pdserve.common.errors import ConfigError, NotFoundError
 from pdserve.router.http_errors import ApiError, error_for, too_large
 from pdserve.router.http_generation import GenerationRun
@@ -282,10 +282,10 @@ def create_app(
 
     ``tokenizers`` gives each served model's tokenizer: prompt ids, the chat template, ``usage``
     and streamed text come from it. ``api_keys`` maps API key -> tenant (a
-    ``pdserve.common.auth.KeyFile`` follows edits to its file; any other mapping is taken as it
-    is now): when given (even empty), every ``/v1`` call needs ``Authorization: Bearer <key>``;
-    ``/health`` never does. ``max_body_bytes`` bounds request bodies (413 beyond). ``clock``
-    gives wall-clock seconds for ``created``.
+    ``pdserve.common.credentials.KeyFile`` follows edits to its file; any other mapping is taken
+    as it is now): when given (even empty), every ``/v1`` call needs
+    ``Authorization: Bearer <key>``; ``/health`` never does. ``max_body_bytes`` bounds request
+    bodies (413 beyond). ``clock`` gives wall-clock seconds for ``created``.
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")

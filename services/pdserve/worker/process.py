@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2_grpc
-from pdserve.common.auth import bearer_interceptors
 from pdserve.common.convert import role_to_pb, worker_state_to_pb
+from pdserve.common.credentials import bearer_interceptors
 from pdserve.common.errors import (
     ConfigError,
     NotFoundError,

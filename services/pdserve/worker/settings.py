@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.common.auth import parse_worker_credential
+from pdserve.common.credentials import parse_worker_credential
 from pdserve.common.errors import ConfigError
 from pdserve.common.settings import CommonSettings
 from pdserve.common.settings_fields import setting
