@@ -13,7 +13,8 @@ Configurations, all real vLLM engines (CPU build) in one run, interleaved round 
                      folder, the consumer loads it when its request is scheduled (the handoff
                      vLLM ships for trying disaggregation without an RDMA stack)
 
-Each request is a distinct random prompt of ``--lengths`` tokens (cycled), ``--max-tokens``
+Each request is a distinct random prompt of ``--lengths`` tokens (cycled; no prompt repeats
+across concurrency levels or the warm-up), ``--max-tokens``
 greedy tokens (EOS ignored); prefix caching is off on every engine so no request reuses another's
 KV. For both pdserve configurations the two requests (decode with its ticket, prefill with its
 ticket) are submitted together, as pdserve's agents do; the rendezvous is a folder (pdserve's
@@ -34,9 +35,12 @@ output of the same prompt (float32 by default, so that a decode engine recomputi
 prompt token reproduces the colocated logits; batches at concurrency > 1 differ between
 configurations and are not compared).
 
-Two engines per disaggregated configuration means twice the cores of the colocated engine
-(vLLM's CPU build runs one OpenMP thread per engine here): the comparison is of latency, not of
-cost per request.
+Every engine runs one OpenMP thread (``OMP_NUM_THREADS=1``; engines that together run more
+threads than the machine has cores spin at every barrier), so each configuration's prefill has
+the same compute and the comparison is of what the handoff costs; a disaggregated configuration
+uses one more core (its decode engine's), so it is a comparison of latency, not of cost per
+request. A configuration that fails (vLLM's ExampleConnector can crash its consumer engine when
+several loads are batched) is reported with its errors and left out of the rounds after.
 
     python bench/vllm_pd.py [--model-path DIR] [--lengths 512,1024,1536,2048]
         [--concurrency 1,4] [--max-tokens 32] [--rounds 2] [--dtype float32]
@@ -74,6 +78,7 @@ ENGINE_ENVIRONMENT = {
     "TRANSFORMERS_OFFLINE": "1",
     "UCX_MODULES": "^ib",
     "VLLM_LOGGING_LEVEL": "WARNING",
+    "OMP_NUM_THREADS": "1",
 }
 BLOCK_SIZE = 128  # vLLM's default on CPU
 TIMEOUT_S = 300.0
@@ -109,6 +114,8 @@ class Config:
     run: Callable[[int, list[int]], Awaitable[Sample]]
     close: Callable[[], Awaitable[None]]
     samples: list[Sample] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """Requests that failed (the configuration is skipped after a round with any)."""
 
 
 # ---- engines -------------------------------------------------------------------------------
@@ -263,10 +270,12 @@ async def example_pair(args: argparse.Namespace, scratch: Path) -> Config:
 # ---- the run -------------------------------------------------------------------------------
 
 
-def _prompts(args: argparse.Namespace, count: int) -> list[list[int]]:
+def _prompts(args: argparse.Namespace, count: int, stream: int) -> list[list[int]]:
+    """``count`` prompts of stream ``stream``: distinct streams share no prompt (a KV store such
+    as ExampleConnector's folder would otherwise serve a repeated prompt without computing it)."""
     import numpy as np
 
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng([args.seed, stream])
     lengths = [args.lengths[i % len(args.lengths)] for i in range(count)]
     return [rng.integers(100, 40_000, size=n).tolist() for n in lengths]
 
@@ -277,7 +286,11 @@ async def _serve(config: Config, concurrency: int, prompts: list[tuple[int, list
 
     async def one(index: int, prompt: list[int]) -> None:
         async with gate:
-            sample = await config.run(index, prompt)
+            try:
+                sample = await asyncio.wait_for(config.run(index, prompt), TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a failed configuration is reported
+                config.errors.append(f"c{concurrency}: {type(exc).__name__}: {exc}"[:300])
+                return
         sample.concurrency = concurrency
         config.samples.append(sample)
 
@@ -313,13 +326,15 @@ def _table(configs: list[Config], concurrency: int) -> dict[str, dict[str, float
             for c in configs}
     base = rows["colocated"]["ttft_p50_ms"]
     print(f"\nconcurrency {concurrency}")
-    print(f"{'configuration':<14} {'n':>3} {'TTFT p50':>9} {'p99':>9} {'/colo':>6} "
+    print(f"{'configuration':<14} {'n':>3} {'err':>3} {'TTFT p50':>9} {'p99':>9} {'/colo':>6} "
           f"{'ITL p50':>8} {'p99':>8} {'exposed/prefill':>16} {'KV MiB':>7}")
-    for name, row in rows.items():
-        print(f"{name:<14} {row['n']:>3} {row['ttft_p50_ms']:>9.1f} {row['ttft_p99_ms']:>9.1f} "
-              f"{row['ttft_p50_ms'] / base:>6.2f} {row['itl_p50_ms']:>8.1f} "
-              f"{row['itl_p99_ms']:>8.1f} {row['exposed_over_prefill_max']:>16.4f} "
-              f"{row['kv_mib_mean']:>7.1f}")
+    for config in configs:
+        row = rows[config.name]
+        num_errors = sum(e.startswith(f"c{concurrency}:") for e in config.errors)
+        print(f"{config.name:<14} {row['n']:>3} {num_errors:>3} {row['ttft_p50_ms']:>9.1f} "
+              f"{row['ttft_p99_ms']:>9.1f} {row['ttft_p50_ms'] / base:>6.2f} "
+              f"{row['itl_p50_ms']:>8.1f} {row['itl_p99_ms']:>8.1f} "
+              f"{row['exposed_over_prefill_max']:>16.4f} {row['kv_mib_mean']:>7.1f}")
     return rows
 
 
@@ -383,19 +398,27 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             configs.append(await pdserve_pair(args, "nixl", scratch))
         configs.append(await example_pair(args, scratch))
         for config in configs:  # one warm-up request each: first-call costs are not latency
-            await config.run(-1, _prompts(args, 1)[0][:256])
+            await config.run(-1, _prompts(args, 1, stream=0)[0][:256])
         for concurrency in args.concurrency:
-            num_requests = max(4, 2 * concurrency)
-            prompts = list(enumerate(_prompts(args, num_requests * args.rounds)))
+            num_requests = max(4, concurrency)
+            prompts = list(enumerate(_prompts(args, num_requests * args.rounds,
+                                              stream=concurrency)))
             for round_index in range(args.rounds):
                 batch = prompts[round_index * num_requests:(round_index + 1) * num_requests]
                 for config in configs:
+                    if config.errors:
+                        continue
                     _log(f"c{concurrency} round {round_index + 1}/{args.rounds}: "
                          f"{config.name} ({len(batch)} requests)")
                     await _serve(config, concurrency, batch)
+                    for error in config.errors:
+                        _log(f"{config.name} failed: {error}")
     finally:
         for config in configs:
-            await config.close()
+            try:
+                await config.close()
+            except Exception as exc:  # noqa: BLE001 - a dead engine's close may fail too
+                _log(f"{config.name}: close failed: {exc}")
     shutil.rmtree(scratch, ignore_errors=True)
     return _report(args, configs)
 
@@ -423,7 +446,9 @@ def _report(args: argparse.Namespace, configs: list[Config]) -> dict[str, Any]:
 
     def ttft(name: str, concurrency: int) -> float | None:
         row = tables[concurrency].get(name)
-        return round(row["ttft_p50_ms"], 1) if row else None
+        if not row or not row["n"]:
+            return None
+        return round(row["ttft_p50_ms"], 1)
 
     result: dict[str, Any] = {}
     for concurrency in args.concurrency:
@@ -443,6 +468,7 @@ def _report(args: argparse.Namespace, configs: list[Config]) -> dict[str, Any]:
         "kv_bytes_per_request_mean": (round(statistics.fmean(s.kv_bytes for s in timed))
                                       if timed else None),
         "dtype": args.dtype,
+        "errors": {c.name: len(c.errors) for c in configs if c.errors},
     })
     return result
 

@@ -215,3 +215,17 @@ def test_redacted_masks_url_passwords() -> None:
 def test_address_of_ipv6_host_is_bracketed() -> None:
     s = parse_settings(ExampleSettings, ["--grpc-host", "::", "--grpc-port", "5"], REQUIRED)
     assert s.grpc_address == "[::]:5"
+
+
+def test_a_vllm_engine_gets_its_share_of_the_cores_as_openmp_threads() -> None:
+    from pdserve.worker.engines.vllm.agents import engine_environment
+    from pdserve.worker.settings import WorkerSettings
+
+    base = ["--role", "decode", "--pool-address", "127.0.0.1:1",
+            "--coordinator-address", "127.0.0.1:2", "--join-token", "t" * 32]
+    shared = parse_settings(WorkerSettings, [*base, "--vllm-cpu-threads", "3"], environ={})
+    assert engine_environment(shared)["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in engine_environment(parse_settings(WorkerSettings, base,
+                                                                      environ={}))
+    with pytest.raises(ConfigError):
+        parse_settings(WorkerSettings, [*base, "--vllm-cpu-threads", "-1"], environ={})

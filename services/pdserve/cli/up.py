@@ -174,11 +174,16 @@ def vllm_worker_args(settings: UpSettings) -> list[str]:
     from pdserve.worker.engines.vllm.model_folders import check_model_folder
 
     folder = check_model_folder(Path(settings.model_path))  # one clear error, before any worker
+    # The engines share this host: each gets its share of the cores (oversubscribed OpenMP
+    # threads spin at barriers). A vLLM CUDA build ignores it.
+    num_engines = sum(pool_sizes(settings))
+    cpu_threads = max(1, (os.cpu_count() or 1) // max(1, num_engines))
     return ["--model-path", str(folder.path), "--vllm-dtype", settings.vllm_dtype,
             "--vllm-max-model-len", str(settings.vllm_max_model_len),
             "--vllm-num-blocks", str(settings.vllm_num_blocks),
             "--vllm-block-size-tokens", str(settings.vllm_block_size_tokens),
-            "--vllm-kv-cache-gib", str(settings.vllm_kv_cache_gib)]
+            "--vllm-kv-cache-gib", str(settings.vllm_kv_cache_gib),
+            "--vllm-cpu-threads", str(cpu_threads)]
 
 
 def worker_tls_args(settings: UpSettings) -> list[str]:

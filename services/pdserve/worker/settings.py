@@ -81,6 +81,11 @@ class WorkerSettings(CommonSettings):
     vllm_max_num_seqs: int = setting(
         64, parser=int_range(1, 100_000),
         help="vllm engine: sequences vLLM batches at once.")
+    vllm_cpu_threads: int = setting(
+        0, parser=int_range(0, 4096),
+        help="vllm engine, CPU build: OpenMP threads of the engine (OMP_NUM_THREADS, unless "
+             "set; 0 = vLLM's default, every core). Engines that share a host need their "
+             "share: oversubscribed OpenMP threads spin at barriers (pdserve up sets it).")
     vllm_is_eager: bool = setting(
         True,
         help="vllm engine: run eagerly (starts about twice as fast; false = compiled graphs).")
