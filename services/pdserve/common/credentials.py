@@ -28,6 +28,7 @@ import grpc
 
 from pdserve.common.errors import ConfigError, UnauthenticatedError
 from pdserve.common.settings import CommonSettings
+from pdserve.common.watched_file import WatchedFile
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,6 @@ def parse_key_file(text: str, source: str) -> dict[str, str]:
             raise ConfigError(f"{source}:{number}: key repeated (first seen earlier)")
         keys[key] = name
     return keys
-
-
-def _stamp(path: Path) -> tuple[int, int, int]:
-    st = path.stat()
-    return st.st_mtime_ns, st.st_size, st.st_ino
 
 
 class KeyTable(Mapping[str, str]):
@@ -120,41 +116,20 @@ class KeyFile(KeyTable):
     def __init__(self, path: Path, *, poll_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
-        self._poll_interval_s = poll_interval_s
-        self._clock = clock
-        try:
-            self._stamp = _stamp(path)
-            keys = parse_key_file(path.read_text(), str(path))
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the key file: {exc.strerror}") from None
-        super().__init__(keys)
-        self._next_check_s = clock() + poll_interval_s
-        self.num_reloads = 0
+        self._file = WatchedFile(path, parse_key_file, "key file",
+                                 poll_interval_s=poll_interval_s, clock=clock)
+        super().__init__(self._file.value)
+
+    @property
+    def num_reloads(self) -> int:
+        return self._file.num_reloads
 
     def refresh(self, *, force: bool = False) -> bool:
         """Re-read the file if it changed (or ``force``); True when new keys were installed.
         A file that cannot be read or parsed leaves the current keys in place."""
-        now = self._clock()
-        if not force and now < self._next_check_s:
+        if not self._file.refresh(force=force):
             return False
-        self._next_check_s = now + self._poll_interval_s
-        try:
-            stamp = _stamp(self.path)
-            if stamp == self._stamp and not force:
-                return False
-            keys = parse_key_file(self.path.read_text(), str(self.path))
-        except OSError as exc:
-            logger.warning("key file %s unreadable (keeping %d keys): %s", self.path,
-                           len(self._keys), exc.strerror)
-            return False
-        except ConfigError as exc:
-            logger.warning("key file changed but is invalid (keeping %d keys): %s",
-                           len(self._keys), exc.message)
-            return False
-        self._stamp = stamp
-        self._install(keys)
-        self.num_reloads += 1
-        logger.info("key file %s reloaded: %d keys", self.path, len(keys))
+        self._install(self._file.value)
         return True
 
     def lookup(self, key: str) -> str | None:
@@ -185,38 +160,21 @@ class TokenFile:
     def __init__(self, path: Path, *, poll_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
-        self._poll_interval_s = poll_interval_s
-        self._clock = clock
-        try:
-            self._stamp = _stamp(path)
-            self._tokens = self._parse(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the token file: {exc.strerror}") from None
-        self._next_check_s = clock() + poll_interval_s
-
-    def _parse(self, text: str) -> tuple[str, ...]:
-        tokens = tuple(line.strip() for line in text.splitlines()
-                       if line.strip() and not line.strip().startswith("#"))
-        if not tokens:
-            raise ConfigError(f"{self.path}: no token in the file")
-        return tokens
+        self._file = WatchedFile(path, _parse_token_lines, "token file",
+                                 poll_interval_s=poll_interval_s, clock=clock)
 
     def tokens(self) -> tuple[str, ...]:
         """The valid tokens now (re-read at most every ``poll_interval_s``)."""
-        now = self._clock()
-        if now >= self._next_check_s:
-            self._next_check_s = now + self._poll_interval_s
-            try:
-                stamp = _stamp(self.path)
-                if stamp != self._stamp:
-                    self._tokens = self._parse(self.path.read_text())
-                    self._stamp = stamp
-                    logger.info("token file %s reloaded: %d tokens", self.path,
-                                len(self._tokens))
-            except (OSError, ConfigError) as exc:
-                logger.warning("token file %s changed but cannot be used (keeping the old "
-                               "tokens): %s", self.path, getattr(exc, "message", exc))
-        return self._tokens
+        self._file.refresh()
+        return self._file.value
+
+
+def _parse_token_lines(text: str, source: str) -> tuple[str, ...]:
+    tokens = tuple(line.strip() for line in text.splitlines()
+                   if line.strip() and not line.strip().startswith("#"))
+    if not tokens:
+        raise ConfigError(f"{source}: no token in the file")
+    return tokens
 
 
 # ------------------------------------------------------------ service tokens, worker credentials
@@ -287,49 +245,32 @@ class ServiceTokens:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.grace_s = grace_s
-        self._poll_interval_s = poll_interval_s
         self._clock = clock
-        try:
-            self._stamp = _stamp(path)
-            self._tokens = parse_service_token_file(path.read_text(), str(path))
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the service token file: "
-                              f"{exc.strerror}") from None
+        self._file = WatchedFile(path, parse_service_token_file, "service token file",
+                                 poll_interval_s=poll_interval_s, clock=clock)
+        self._tokens = self._file.value
         self._retired: dict[bytes, tuple[float, str | None]] = {}
         """digest -> (monotonic time its grace ends, raw token or None)."""
-        self._next_check_s = clock() + poll_interval_s
-        self.num_reloads = 0
+
+    @property
+    def num_reloads(self) -> int:
+        return self._file.num_reloads
 
     def refresh(self, *, force: bool = False) -> bool:
         """Re-read the file if it changed (at most every ``poll_interval_s``, or ``force``);
-        True when new tokens were installed."""
+        True when new tokens were installed. Tokens the new file lacks start their grace."""
+        if not self._file.refresh(force=force):
+            return False
         now = self._clock()
-        if not force and now < self._next_check_s:
-            return False
-        self._next_check_s = now + self._poll_interval_s
-        try:
-            stamp = _stamp(self.path)
-            if stamp == self._stamp and not force:
-                return False
-            tokens = parse_service_token_file(self.path.read_text(), str(self.path))
-        except OSError as exc:
-            logger.warning("service token file %s unreadable (keeping %d tokens): %s",
-                           self.path, len(self._tokens), exc.strerror)
-            return False
-        except ConfigError as exc:
-            logger.warning("service token file changed but is invalid (keeping %d tokens): %s",
-                           len(self._tokens), exc.message)
-            return False
+        tokens = self._file.value
         kept = {token.digest for token in tokens}
         for token in self._tokens:
             if token.digest not in kept:
                 self._retired[token.digest] = (now + self.grace_s, token.raw)
         for digest in kept:
             self._retired.pop(digest, None)
-        self._stamp = stamp
         self._tokens = tokens
-        self.num_reloads += 1
-        logger.info("service token file %s reloaded: %d tokens (%d in their grace period)",
+        logger.info("service token file %s: %d tokens (%d in their grace period)",
                     self.path, len(tokens), len(self._retired))
         return True
 
