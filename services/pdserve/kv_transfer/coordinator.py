@@ -55,7 +55,14 @@ class TicketNotifier(Protocol):
 
 
 class TransferStatsSink(Protocol):
+    """Where a finished transfer's statistics go (the durable store): one record per (ticket,
+    attempt) however often it is given (a repeated DONE report gives it again)."""
+
     def record(self, record: TransferRecord) -> None: ...
+
+    async def spooled(self) -> None:
+        """Until the records given so far are safe (in the spool or written)."""
+        ...
 
 
 class NullNotifier:
@@ -168,20 +175,23 @@ class KvTransferCoordinator:
             return current  # a late progress report after a later state: ignore, don't fail
         else:
             ticket = await self._ledger.transition(token, state)
-        if state is TicketState.DONE and not ticket.is_held:
-            ticket = await self._ledger.mark_held(token)
+        if state is TicketState.DONE:
+            is_first_done = not ticket.is_held
+            if is_first_done:
+                ticket = await self._ledger.mark_held(token)
             if callable(record):
                 record = record(ticket)
             if record is not None:
-                metrics.observe_transfer(ticket.deployment, record.num_bytes, record.transfer_s,
-                                         record.exposed_s)
+                if is_first_done:
+                    metrics.observe_transfer(ticket.deployment, record.num_bytes,
+                                             record.transfer_s, record.exposed_s)
                 if self._stats_sink is not None:
+                    # Given again on a repeated DONE: the first report's answer may have been
+                    # lost with a replica that died after holding the blocks and before the
+                    # record was safe (the store keeps one per ticket and attempt). DONE is
+                    # acknowledged once the record is safe, never before.
                     self._stats_sink.record(record)
-                    # A durable sink says when the record is safe (the spool): DONE is
-                    # acknowledged after that, never before.
-                    spooled = getattr(self._stats_sink, "spooled", None)
-                    if spooled is not None:
-                        await spooled()
+                    await self._stats_sink.spooled()
         self._publish(ticket)
         return ticket
 
