@@ -56,7 +56,7 @@ async def test_a_repeated_done_records_its_statistics_again_and_counts_them_once
     assert sink.records == [record] and sink.num_waits == 1
 
     await coordinator.update_progress(ticket.token, TicketState.DONE, record)  # once more
-    assert len(sink.records) == 2  # the store keeps one (test_db: on conflict, nothing)
+    assert len(sink.records) == 2  # the store keeps one (db.testing.check_transfer_stats)
     bytes_after = REGISTRY.get_sample_value("pdserve_transfer_moved_bytes_total",
                                             {"deployment": "m-done"}) or 0.0
     assert bytes_after - bytes_before == 0  # counted by the first report, which held them
