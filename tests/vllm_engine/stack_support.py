@@ -160,7 +160,6 @@ async def start_vllm_stack(model_dir: Path, redis_url: str, database_url: str,
                            num_prefill: int = 1) -> VllmStack:
     """The reference outputs of ``prompts`` (default: every prompt here), then the stack with its
     vLLM workers (``num_prefill`` prefill, one decode) READY in the router's view."""
-    reference = await _reference(model_dir, ALL_PROMPTS if prompts is None else prompts)
     stack = build_stack(processes, redis_url, database_url, num_prefill=0,
                         num_decode=0, pool_args=("--heartbeat-timeout-s", "10"),
                         router_args=("--lease-s", str(LEASE_S),
@@ -170,8 +169,10 @@ async def start_vllm_stack(model_dir: Path, redis_url: str, database_url: str,
                                      "--is-shedding-enabled", "false",
                                      "--transport", transport),
                         extra_env=ENGINE_ENVIRONMENT)
-    prefills, decode, seen_loading = await asyncio.to_thread(_start_workers, stack, model_dir,
-                                                             transport, num_prefill)
+    # The colocated reference loads while the workers' engines do (their start-ups overlap).
+    reference, (prefills, decode, seen_loading) = await asyncio.gather(
+        _reference(model_dir, ALL_PROMPTS if prompts is None else prompts),
+        asyncio.to_thread(_start_workers, stack, model_dir, transport, num_prefill))
     return VllmStack(stack, prefills, decode, reference, seen_loading)
 @dataclass
 class Reply:

@@ -38,7 +38,7 @@ from stack_support import (
 )
 
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.common.grpc_client import channel_target
 from pdserve.common.tokenizer import prefix_block_hashes
 from pdserve.state.prefix_index import RedisPrefixIndex
@@ -48,6 +48,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)
 TURN_ONE = _prompt(8 * BLOCK_SIZE + 10, 30)
 """A first turn of eight full blocks (and a partial one, which no engine caches)."""
 MAX_FILLERS = 96
+_LIVE = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
 FAILOVER_TOKENS = 200
 """Long enough for the kill to land mid-stream (the tiny model decodes ~50 tokens/s here)."""
 
@@ -160,7 +161,7 @@ async def test_a_stream_whose_decode_worker_dies_goes_on_token_exact_on_another(
             tokens.extend(message.token_ids)
             final = message
             if not victim_id and len(tokens) >= 5:
-                victim_id = await _serving(by_id)
+                victim_id = await _serving(nixl_stack, list(by_id))
                 victim = _process_of_worker(process_of, victim_id)
                 os.kill(victim.pid, signal.SIGKILL)
     assert victim_id and final is not None
@@ -169,12 +170,20 @@ async def test_a_stream_whose_decode_worker_dies_goes_on_token_exact_on_another(
     assert tokens == reference.tokens
 
 
-async def _serving(decode_workers: dict[str, pb.WorkerInfo]) -> str:
-    """The decode worker holding a live ticket now."""
-    for worker_id, worker in decode_workers.items():
-        if (await status_of(worker)).tickets:
-            return worker_id
-    raise AssertionError("no decode worker holds the stream's ticket")
+async def _serving(stack: VllmStack, decode_ids: list[str]) -> str:
+    """The decode worker the stream's ticket names: live, or DONE with its blocks held until the
+    sequence ends (released tickets of earlier requests are neither). The stream is the only
+    request in flight."""
+    target, options = channel_target(stack.stack.coordinator_address)
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
+        for worker_id in decode_ids:
+            tickets = (await stub.ListTickets(kv_transfer_pb2.ListTicketsRequest(
+                decode_worker_id=worker_id), timeout=5)).tickets
+            if any(t.state in _LIVE or (t.state == pb.TICKET_STATE_DONE and t.is_held)
+                   for t in tickets):
+                return worker_id
+    raise AssertionError("no decode worker is named by a live or held ticket")
 
 
 def _process_of_worker(processes: dict[str, ServiceProcess], worker_id: str) -> ServiceProcess:
