@@ -49,7 +49,7 @@ TURN_ONE = _prompt(8 * BLOCK_SIZE + 10, 30)
 """A first turn of eight full blocks (and a partial one, which no engine caches)."""
 MAX_FILLERS = 96
 _LIVE = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
-FAILOVER_TOKENS = 200
+FAILOVER_TOKENS = 400
 """Long enough for the kill to land mid-stream (the tiny model decodes ~50 tokens/s here)."""
 
 
@@ -142,7 +142,7 @@ async def test_a_stream_whose_decode_worker_dies_goes_on_token_exact_on_another(
     second = nixl_stack.stack.start_worker("decode", "vllm-decode-2")
     processes.append(second)
     await asyncio.to_thread(wait_router_sees, nixl_stack.stack.routers[0], 2, 2, WORKER_START_S)
-    prompt = _prompt(90, 40)
+    prompt = _prompt(60, 40)
     reference = await _generate(nixl_stack, prompt, max_tokens=FAILOVER_TOKENS)
     assert reference.error is None and len(reference.tokens) == FAILOVER_TOKENS
 
