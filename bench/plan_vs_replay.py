@@ -143,7 +143,7 @@ def run_row(trace: Any, family: str, factor: float, slo_pair: tuple[float, float
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     try:
-        from pdserve.common.plotting import pyplot
+        from pdserve.common.plotting import pyplot, save_figure
     except ImportError:
         return False
     plt = pyplot()
@@ -167,10 +167,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     axis.set_title("plans made from a trace's first half, replayed on its second", fontsize=10)
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
     return True
 
 

@@ -134,8 +134,7 @@ def _engine_settings(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 async def _stream(engine: Any, request_id: str, prompt: list[int], max_tokens: int,
-                  ticket: Any = None, started_s: float | None = None
-                  ) -> tuple[list[int], list[float]]:
+                  ticket: Any = None) -> tuple[list[int], list[float]]:
     """Tokens and the time each arrived (``time.perf_counter``)."""
     from pdserve.worker.engines.vllm.engine import GenerationParams
 
@@ -340,7 +339,7 @@ def _table(configs: list[Config], concurrency: int) -> dict[str, dict[str, float
 
 def _plot(configs: list[Config], concurrencies: list[int], timeline: Sample | None,
           out: Path) -> None:
-    from pdserve.common.plotting import pyplot
+    from pdserve.common.plotting import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -371,9 +370,7 @@ def _plot(configs: list[Config], concurrencies: list[int], timeline: Sample | No
         right.set_ylabel("layer")
         right.set_title(f"{timeline.config}: one {timeline.num_prompt_tokens}-token prompt")
         right.legend(loc="lower right")
-    figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=120)
+    save_figure(figure, out)
     _log(f"plot written to {out}")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from pdserve.cli.capacity_cmd import parse_int_list, table
 from pdserve.common.errors import InvalidArgumentError
-from pdserve.common.plotting import pyplot
+from pdserve.common.plotting import pyplot, save_figure
 
 DEFAULT_TP_SIZES = "1,2,4,8"
 REPLAY_BUDGET_S = 40.0
@@ -151,10 +151,7 @@ def plot_sweep(points: Sequence[Any], marked: dict[str, float], path: Path, titl
     axis.set_ylabel("goodput per GPU (req/s at SLO attainment)")
     axis.set_title(title, fontsize=10)
     axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
     return True
 
 

@@ -8,9 +8,21 @@ on, so no command or benchmark fails for want of a plot.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 MISSING_NOTE = "matplotlib is not installed: no plot (pip install matplotlib)"
+
+
+def save_figure(figure: Any, path: Path, *, dpi: int = 120) -> None:
+    """Lay ``figure`` out, write it to ``path`` (its folder made if missing) and close it."""
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
 
 
 def pyplot() -> ModuleType | None:

@@ -23,6 +23,7 @@ from pdserve.common.settings_parsers import (
 )
 from pdserve.common.types import WorkerRole
 from pdserve.perf.catalog import DEFAULT_GPU, DEFAULT_MODEL
+from pdserve.worker.engines.vllm.protocol import CONNECTOR_TRANSPORTS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,6 +189,7 @@ class WorkerSettings(CommonSettings):
         if self.engine == "vllm" and self.model_path is None:
             raise ConfigError("PDSERVE_MODEL_PATH: the vllm engine needs a model folder",
                               field="model_path")
-        if self.engine == "vllm" and self.transport not in ("tcp", "nixl"):
-            raise ConfigError(f"PDSERVE_TRANSPORT: the vllm engine moves KV over tcp or nixl, "
-                              f"not {self.transport!r}", field="transport")
+        if self.engine == "vllm" and self.transport not in CONNECTOR_TRANSPORTS:
+            raise ConfigError(f"PDSERVE_TRANSPORT: the vllm engine moves KV over "
+                              f"{' or '.join(CONNECTOR_TRANSPORTS)}, not {self.transport!r}",
+                              field="transport")
