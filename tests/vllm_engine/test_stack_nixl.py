@@ -4,30 +4,25 @@ engine's registered KV cache into blocks the decode side owns. The same token-ex
 handoff as over tcp (``test_stack``; the fault tests there exercise the paths both transports
 share); prefix routing fed by vLLM's own KV cache events: a conversation's second turn goes
 to the prefill worker whose engine holds the first turn, and stops being sent there for its
-prefix once that engine has evicted it; and a stream whose decode worker is killed mid-way going
-on, token for token, on a second decode worker started for it.
+prefix once that engine has evicted it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 from e2e.conftest import ServiceProcess
-from e2e.faults import MODEL, wait_router_sees
+from e2e.faults import MODEL
 from helpers.requirements import require_nixl
 from stack_support import (
     AFTER_SEED,
     BLOCK_SIZE,
     PROMPTS,
-    WORKER_START_S,
     VllmStack,
     _generate,
     _prompt,
@@ -37,9 +32,6 @@ from stack_support import (
     status_of,
 )
 
-from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, router_pb2, router_pb2_grpc
-from pdserve.common.grpc_client import channel_target
 from pdserve.common.tokenizer import prefix_block_hashes
 from pdserve.state.prefix_index import RedisPrefixIndex
 
@@ -48,9 +40,6 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)
 TURN_ONE = _prompt(8 * BLOCK_SIZE + 10, 30)
 """A first turn of eight full blocks (and a partial one, which no engine caches)."""
 MAX_FILLERS = 96
-_LIVE = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
-FAILOVER_TOKENS = 400
-"""Long enough for the kill to land mid-stream (the tiny model decodes ~50 tokens/s here)."""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -107,6 +96,11 @@ async def test_second_turn_goes_where_vllm_holds_the_first_until_it_is_evicted(
         second = await _generate(nixl_stack, turn_two)
         assert second.error is None and second.final is not None
         assert second.final.prefill_worker_id == holder
+        # vLLM's stats reach the agent with its engine's next stats record, not with the reply.
+        async def hit_counted() -> bool:
+            return await _cache_hits(nixl_stack, holder) - hits_before >= len(hashes) * BLOCK_SIZE
+
+        await _wait_for(hit_counted, 10.0, "the holder's prefix-cache hits counted")
         assert await _cache_hits(nixl_stack, holder) - hits_before == len(hashes) * BLOCK_SIZE
 
         # Other conversations fill the holder's cache: vLLM evicts the first turn's blocks,
@@ -131,63 +125,3 @@ async def test_second_turn_goes_where_vllm_holds_the_first_until_it_is_evicted(
         assert await _cache_hits(nixl_stack, served_by) == hits[served_by]  # nothing was cached
     finally:
         await client.aclose()
-
-
-async def test_a_stream_whose_decode_worker_dies_goes_on_token_exact_on_another(
-        nixl_stack: VllmStack, processes: list[ServiceProcess]) -> None:
-    """kill -9 of the decode worker (its vLLM engines die with it) after the client has its
-    first tokens: the router fails the stream over to a second decode worker (prompt plus the
-    delivered tokens prefilled again, over nixl) and the client's output equals the
-    uninterrupted one, token for token (greedy, float32)."""
-    second = nixl_stack.stack.start_worker("decode", "vllm-decode-2")
-    processes.append(second)
-    await asyncio.to_thread(wait_router_sees, nixl_stack.stack.routers[0], 2, 2, WORKER_START_S)
-    prompt = _prompt(60, 40)
-    reference = await _generate(nixl_stack, prompt, max_tokens=FAILOVER_TOKENS)
-    assert reference.error is None and len(reference.tokens) == FAILOVER_TOKENS
-
-    by_id = {w.worker_id: w for w in nixl_stack.workers("decode")}
-    process_of = {nixl_stack.decode.name: nixl_stack.decode, second.name: second}
-    target, options = channel_target(nixl_stack.stack.router_addresses[0])
-    tokens: list[int] = []
-    final = None
-    victim_id = ""
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        call = router_pb2_grpc.RouterServiceStub(channel).Generate(router_pb2.GenerateRequest(
-            model=MODEL, prompt_token_ids=prompt, prefill_mode=pb.PREFILL_MODE_REMOTE,
-            sampling=pb.SamplingParams(max_tokens=FAILOVER_TOKENS, ignore_eos=True)),
-            timeout=120)
-        async for message in call:
-            tokens.extend(message.token_ids)
-            final = message
-            if not victim_id and len(tokens) >= 5:
-                victim_id = await _serving(nixl_stack, list(by_id))
-                victim = _process_of_worker(process_of, victim_id)
-                os.kill(victim.pid, signal.SIGKILL)
-    assert victim_id and final is not None
-    assert final.timing.num_failovers == 1
-    assert final.decode_worker_id != victim_id
-    assert tokens == reference.tokens
-
-
-async def _serving(stack: VllmStack, decode_ids: list[str]) -> str:
-    """The decode worker the stream's ticket names: live, or DONE with its blocks held until the
-    sequence ends (released tickets of earlier requests are neither). The stream is the only
-    request in flight."""
-    target, options = channel_target(stack.stack.coordinator_address)
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
-        for worker_id in decode_ids:
-            tickets = (await stub.ListTickets(kv_transfer_pb2.ListTicketsRequest(
-                decode_worker_id=worker_id), timeout=5)).tickets
-            if any(t.state in _LIVE or (t.state == pb.TICKET_STATE_DONE and t.is_held)
-                   for t in tickets):
-                return worker_id
-    raise AssertionError("no decode worker is named by a live or held ticket")
-
-
-def _process_of_worker(processes: dict[str, ServiceProcess], worker_id: str) -> ServiceProcess:
-    for process in processes.values():
-        if worker_id in process.output:  # it logs its id at registration
-            return process
-    raise AssertionError(f"no process registered as {worker_id}")
