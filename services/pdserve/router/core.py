@@ -86,6 +86,9 @@ from pdserve.router.types import (
 from pdserve.state.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
+
+PREFILL_REPLY_WAIT_S = 1.0
+"""At a stream's end, how long to wait for a prefill call still returning (its cache count)."""
 tracer = trace.get_tracer(__name__)
 
 
@@ -149,6 +152,9 @@ class _Progress:
     num_attempts: int = 0
     is_local: bool = False
     exposed_s: float = 0.0
+    num_cached_prompt_tokens: int = 0
+    """The last segment's prefill: tokens its engine had cached (the usage's, at most the
+    original prompt: a failover's prompt also holds the tokens generated before it)."""
 
 
 class Router:
@@ -393,6 +399,8 @@ class Router:
                 async for chunk, exposed_s in self._attempt(segment, request_id, decision,
                                                             max_first_wait_s):
                     progress.exposed_s = exposed_s
+                    if chunk.finish_reason is not None:
+                        progress.num_cached_prompt_tokens = chunk.num_cached_prompt_tokens
                     yield chunk
                 return
             except _Retry as retry:
@@ -518,6 +526,8 @@ class Router:
                     token_ids=tuple(message.token_ids), finish_reason=finish,
                     prefill_worker_id=decision.prefill_worker_id,
                     decode_worker_id=decision.decode_worker_id,
+                    num_cached_prompt_tokens=(await _num_cached_prompt_tokens(prefill_task)
+                                              if is_finished else 0),
                 ), exposed_s
                 if is_finished:
                     return
@@ -652,7 +662,9 @@ class Router:
         return GenerationChunk(
             token_ids=chunk.token_ids if chunk else (),
             finish_reason=reason,
-            usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_output),
+            usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_output,
+                        cached_prompt_tokens=min(progress.num_cached_prompt_tokens,
+                                                 len(request.prompt_token_ids))),
             timing=RequestTiming(ttft_ms=ttft_s * 1000, tpot_ms=tpot_s * 1000,
                                  is_local_prefill=progress.is_local,
                                  num_attempts=progress.num_attempts,
@@ -675,6 +687,21 @@ class Router:
                 num_attempts=progress.num_attempts, error_code=error,
                 exposed_transfer_s=progress.exposed_s,
             ))
+
+
+async def _num_cached_prompt_tokens(
+        prefill_task: asyncio.Task[worker_pb2.PrefillResponse] | None) -> int:
+    """The prefill worker's count of prompt tokens served from its engine's prefix cache; 0
+    for a local prefill or a failed prefill call. The prefill call returns once the KV has
+    landed, before the decode stream ends, so it is done here in all but rare races, which
+    wait for it at most ``PREFILL_REPLY_WAIT_S``."""
+    if prefill_task is None:
+        return 0
+    if not prefill_task.done():
+        await asyncio.wait({prefill_task}, timeout=PREFILL_REPLY_WAIT_S)
+    if not prefill_task.done() or prefill_task.cancelled() or prefill_task.exception():
+        return 0
+    return int(prefill_task.result().num_cached_prompt_tokens)
 
 
 def _latencies_s(started: float, first_token_at: float | None,

@@ -86,6 +86,9 @@ class GenerationChunk:
     timing: RequestTiming | None = None
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
+    num_cached_prompt_tokens: int = 0
+    """Set in an attempt's last chunk: prompt tokens the prefill engine found in its own prefix
+    cache (as the prefill worker reported them; 0 for a local prefill)."""
 
 
 @dataclass(frozen=True, slots=True)
