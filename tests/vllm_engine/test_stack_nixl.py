@@ -4,25 +4,31 @@ engine's registered KV cache into blocks the decode side owns. The same token-ex
 handoff as over tcp (``test_stack``; the fault tests there exercise the paths both transports
 share); prefix routing fed by vLLM's own KV cache events: a conversation's second turn goes
 to the prefill worker whose engine holds the first turn, and stops being sent there for its
-prefix once that engine has evicted it.
+prefix once that engine has evicted it; and a stream whose decode worker is killed after its
+first tokens going on, token for token, on another decode worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 from e2e.conftest import ServiceProcess
-from e2e.faults import MODEL
+from e2e.faults import MODEL, wait_router_sees
 from helpers.requirements import require_nixl
 from stack_support import (
     AFTER_SEED,
     BLOCK_SIZE,
     PROMPTS,
+    WORKER_START_S,
     VllmStack,
     _generate,
     _prompt,
@@ -32,6 +38,9 @@ from stack_support import (
     status_of,
 )
 
+from pdserve.api.v1 import common_pb2 as pb
+from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.common.grpc_client import channel_target
 from pdserve.common.tokenizer import prefix_block_hashes
 from pdserve.state.prefix_index import RedisPrefixIndex
 
@@ -40,6 +49,11 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)
 TURN_ONE = _prompt(8 * BLOCK_SIZE + 10, 30)
 """A first turn of eight full blocks (and a partial one, which no engine caches)."""
 MAX_FILLERS = 96
+_LIVE = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
+FAILOVER_TOKENS = 64
+OUTPUT_PAUSE_S = 0.1
+"""Before each decode output is handed on: the client kills within milliseconds of its first
+tokens, long before the next output leaves (what vLLM made meanwhile dies with the worker)."""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -130,3 +144,92 @@ async def test_second_turn_goes_where_vllm_holds_the_first_until_it_is_evicted(
         assert await _cache_hits(nixl_stack, served_by) == hits[served_by]
     finally:
         await client.aclose()
+
+
+async def test_a_stream_whose_decode_worker_dies_goes_on_token_exact_on_another(
+        nixl_stack: VllmStack, processes: list[ServiceProcess]) -> None:
+    """kill -9 of the decode worker serving a stream (its vLLM engines with it, the process
+    group) once the client has its first tokens: the router fails the stream over to the other
+    decode worker (prompt plus the delivered tokens prefilled again, over nixl) and the client's
+    output equals the uninterrupted one, token for token (greedy, float32).
+
+    The module's decode worker is replaced by two that pause before handing on each output
+    (``--test-decode-step-pause-s``): vLLM's decode of the tiny model on one thread outruns any
+    client, so without the pause whether the kill lands before the stream's end would be timing
+    luck; with it, the client acts on its first tokens long before the next are sent. Last in
+    the module: it stops the module's decode worker."""
+    pause = ("--test-decode-step-pause-s", str(OUTPUT_PAUSE_S))
+    replacements = [nixl_stack.stack.start_worker("decode", f"vllm-decode-{i}", extra_args=pause)
+                    for i in (2, 3)]
+    processes.extend(replacements)
+    await asyncio.to_thread(nixl_stack.decode.stop)
+    await asyncio.to_thread(wait_router_sees, nixl_stack.stack.routers[0], 2, 2, WORKER_START_S)
+    prompt = _prompt(60, 40)
+    reference = await _generate(nixl_stack, prompt, max_tokens=FAILOVER_TOKENS)
+    assert reference.error is None and len(reference.tokens) == FAILOVER_TOKENS
+
+    decode_ids = [w.worker_id for w in nixl_stack.workers("decode")]
+
+    async def idle() -> bool:  # the reference's ticket released: the next one is the stream's
+        return not await _in_flight(nixl_stack, decode_ids)
+
+    await _wait_for(idle, 30.0, "no ticket in flight")
+    target, options = channel_target(nixl_stack.stack.router_addresses[0])
+    tokens: list[int] = []
+    final = None
+    victim_id = ""
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        call = router_pb2_grpc.RouterServiceStub(channel).Generate(router_pb2.GenerateRequest(
+            model=MODEL, prompt_token_ids=prompt, prefill_mode=pb.PREFILL_MODE_REMOTE,
+            sampling=pb.SamplingParams(max_tokens=FAILOVER_TOKENS, ignore_eos=True)),
+            timeout=120)
+        serving = asyncio.create_task(_serving(nixl_stack, decode_ids))
+        try:
+            async for message in call:
+                tokens.extend(message.token_ids)
+                final = message
+                if not victim_id and tokens:
+                    victim_id = await serving
+                    os.killpg(_process_of_worker(replacements, victim_id).pid, signal.SIGKILL)
+        finally:
+            serving.cancel()
+    assert victim_id and final is not None
+    assert len(tokens) == FAILOVER_TOKENS
+    assert final.timing.num_failovers == 1, "the stream ended before its worker was killed"
+    assert final.decode_worker_id != victim_id
+    assert tokens == reference.tokens
+
+
+async def _serving(stack: VllmStack, decode_ids: list[str], timeout_s: float = 30.0) -> str:
+    """The decode worker a ticket of the one request in flight names (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        serving = await _in_flight(stack, decode_ids)
+        if serving:
+            (worker_id,) = serving
+            return worker_id
+        await asyncio.sleep(0.005)
+    raise AssertionError("no decode worker is named by a live or held ticket")
+
+
+async def _in_flight(stack: VllmStack, decode_ids: list[str]) -> set[str]:
+    """Decode workers named by a live ticket or a DONE one whose blocks are held until its
+    sequence ends (released tickets are neither)."""
+    target, options = channel_target(stack.stack.coordinator_address)
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(channel)
+        named = set()
+        for worker_id in decode_ids:
+            tickets = (await stub.ListTickets(kv_transfer_pb2.ListTicketsRequest(
+                decode_worker_id=worker_id), timeout=5)).tickets
+            if any(t.state in _LIVE or (t.state == pb.TICKET_STATE_DONE and t.is_held)
+                   for t in tickets):
+                named.add(worker_id)
+        return named
+
+
+def _process_of_worker(processes: list[ServiceProcess], worker_id: str) -> ServiceProcess:
+    for process in processes:
+        if worker_id in process.output:  # it logs its id at registration
+            return process
+    raise AssertionError(f"no process registered as {worker_id}")

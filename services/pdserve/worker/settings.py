@@ -165,8 +165,10 @@ class WorkerSettings(CommonSettings):
 
     test_decode_step_pause_s: float = setting(
         0.0, parser=DURATION_S,
-        help="Fault injection (tests only; sim and tiny engines): pause this long before each "
-             "decode step, so a test that saw token k acts before token k + 1 exists.")
+        help="Fault injection (tests only): pause this long before each decode step (sim and "
+             "tiny engines) or before each output vLLM's decode is handed on (vllm: its engine "
+             "runs on, and what it made meanwhile comes in the next output), so a test that saw "
+             "token k acts before the client gets token k + 1.")
 
     @property
     def call_credential(self) -> str:

@@ -80,7 +80,8 @@ def runtime_settings(settings: WorkerSettings) -> VllmRuntimeSettings:
         environment=engine_environment(settings),
     )
     return VllmRuntimeSettings(engine=engine, worker_id=settings.worker_id,
-                               handoff_timeout_s=settings.vllm_handoff_timeout_s)
+                               handoff_timeout_s=settings.vllm_handoff_timeout_s,
+                               decode_output_pause_s=settings.test_decode_step_pause_s)
 
 
 def create_vllm_agent(settings: WorkerSettings, config: AgentConfig, transport: TransportBackend,

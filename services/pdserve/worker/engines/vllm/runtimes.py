@@ -96,6 +96,10 @@ class VllmRuntimeSettings:
     worker_id: str = ""
     handoff_timeout_s: float = 30.0
     """Longest a prefill waits for its destination and the receiver's answer."""
+    decode_output_pause_s: float = 0.0
+    """Fault injection (tests only): a pause before each decode output is handed on, so a test
+    that saw token k can act before the client gets token k + 1 (vLLM decodes on meanwhile;
+    what it made comes with the next output)."""
 
 
 def expected_layout(engine: VllmEngineSettings) -> KvLayout:
@@ -478,6 +482,8 @@ class VllmDecodeRuntime(_VllmRuntime):
                 if is_first and landed is not None:
                     timing = await self._received_timing(key, landed)
                 is_first = False
+                if self.settings.decode_output_pause_s > 0:
+                    await asyncio.sleep(self.settings.decode_output_pause_s)
                 yield DecodeChunk(list(delta.token_ids), timing)
             if key in self._aborted:
                 raise StaleTokenError(f"token: ticket {key} was aborted")
