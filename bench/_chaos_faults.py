@@ -14,6 +14,15 @@ Faults (``FAULTS``):
 - ``stall_transfer``: SIGSTOP of the clock-skewed prefill worker (when there is one) caught while
   sending KV, for three ticket leases, then SIGCONT: its socket freezes mid-transfer, the lease
   lapses on the coordinator's clock, the request is retried, its late frames must not land;
+- ``stall_prefill_loop``: the prefill loop of a live prefill worker held (SIGUSR1, as a hung
+  engine would hold it; its heartbeats go on, so it stays READY) for the stall bound plus three
+  leases, then released (SIGUSR2): its queued prompts' leases stop being renewed, the
+  coordinator expires them and the router retries the requests elsewhere;
+- ``rolling_restart``: every process of the stack replaced one at a time, as a rolling update
+  does (SIGTERM, the same command again in its slot, full strength again and a heartbeat
+  timeout more before the next):
+  coordinators, pool managers, routers (their clients resume elsewhere), governors, then the
+  workers (a decode worker's streams fail over);
 - ``postgres_down`` (background, overlapping the others): PostgreSQL stopped for a while;
   durable records spool and must all be written when it returns.
 
@@ -64,8 +73,9 @@ from pdserve.db.durable import SPOOL_SUFFIX
 WORKER_FAULTS = ("kill_prefill_prefilling", "kill_prefill_sending", "kill_decode_decoding")
 CONTROL_PLANE_FAULTS = ("kill_coordinator", "kill_prefill_pool", "kill_decode_pool",
                         "kill_router", "kill_governor")
-FAULTS = (*WORKER_FAULTS, *CONTROL_PLANE_FAULTS, "redis_restart", "stall_transfer")
-CUTTING_FAULTS = frozenset({"kill_decode_decoding", "kill_router"})
+FAULTS = (*WORKER_FAULTS, *CONTROL_PLANE_FAULTS, "redis_restart", "stall_transfer",
+          "stall_prefill_loop", "rolling_restart")
+CUTTING_FAULTS = frozenset({"kill_decode_decoding", "kill_router", "rolling_restart"})
 """Faults that kill what carries streams past their first token (failover and client resume
 should keep every one of those streams whole)."""
 
@@ -183,6 +193,10 @@ class Injector:
                 await self._restart_redis(record)
             elif name == "stall_transfer":
                 await self._stall_transfer(record)
+            elif name == "stall_prefill_loop":
+                await self._stall_prefill_loop(record)
+            elif name == "rolling_restart":
+                await self._rolling_restart(record)
             elif name == "postgres_down":
                 await self._postgres_down(record)
             else:
@@ -311,6 +325,46 @@ class Injector:
             os.killpg(victim.pid, signal.SIGCONT)
         record.details["frozen_s"] = round(time.monotonic() - record.injected_s, 2)
         await self._recover(record)  # the resumed worker is taken back
+
+    async def _stall_prefill_loop(self, record: FaultRecord) -> None:
+        services = self.stack.services
+        victim = await catch_in_phase(services.prefill_workers, "prefilling")
+        if victim is None:
+            victim = services.prefill_workers[self.rng.randrange(len(services.prefill_workers))]
+        os.kill(victim.pid, signal.SIGUSR1)
+        record.injected_s = time.monotonic()
+        record.victim = f"{victim.name} ({victim.worker_id[:10]})"
+        try:
+            await asyncio.sleep(self.stack.config.max_prefill_stall_s
+                                + 3 * self.stack.config.lease_s)
+        finally:
+            os.kill(victim.pid, signal.SIGUSR2)
+        record.details["held_s"] = round(time.monotonic() - record.injected_s, 2)
+        if "prefill loop stalled" not in victim.output:
+            record.error = "the worker never said its prefill loop stalled"
+            return
+        await self._recover(record)
+
+    async def _rolling_restart(self, record: FaultRecord) -> None:
+        stack = self.stack
+        services = stack.services
+        order = [*services.coordinators, *services.prefill_pools, *services.decode_pools,
+                 *services.routers, *stack.governors, *services.prefill_workers,
+                 *services.decode_workers]
+        record.victim = f"all {len(order)} processes"
+        record.injected_s = time.monotonic()
+        # As a rolling update's minReadySeconds: a replacement serves a while before the next
+        # process goes (its peers' channels and the workers' heartbeats find it meanwhile).
+        dwell_s = stack.config.heartbeat_timeout_s + 1.0
+        for old in order:
+            await asyncio.to_thread(old.stop)  # SIGTERM: a graceful exit
+            await asyncio.to_thread(stack.restart, old)
+            if not await asyncio.to_thread(stack.wait_full_strength, 60.0):
+                record.error = f"not back to full strength 60 s after replacing {old.name}"
+                return
+            await asyncio.sleep(dwell_s)
+        record.details["num_replaced"] = len(order)
+        record.recovered_s = time.monotonic()
 
     async def _postgres_down(self, record: FaultRecord) -> None:
         postgres = self.stack.postgres

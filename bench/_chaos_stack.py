@@ -64,9 +64,14 @@ class ChaosConfig:
     num_governors: int = 2
     """Active/standby on a Redis lease; 0 = none."""
     worker_args: tuple[str, ...] = ("--speedup", "1", "--num-kv-layers", "4",
-                                    "--max-num-blocks", "2048")
+                                    "--max-num-blocks", "2048",
+                                    "--test-prefill-hold-signals", "true",
+                                    "--max-prefill-stall-s", "1")
     """Real-time simulated H100s: a 1,000-token prefill takes tens of milliseconds and 32 tokens
-    of decode a few hundred, long enough to catch a worker in the middle of each phase."""
+    of decode a few hundred, long enough to catch a worker in the middle of each phase. SIGUSR1
+    and SIGUSR2 hold and release a prefill worker's loop (``stall_prefill_loop``)."""
+    max_prefill_stall_s: float = 1.0
+    """As in ``worker_args``: how long a held prefill loop renews its queued leases."""
     lease_s: float = 3.0
     """Ticket lease the routers ask for: how long a stalled transfer holds its blocks."""
     heartbeat_timeout_s: float = 2.0

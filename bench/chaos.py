@@ -15,8 +15,10 @@ caught sending KV, a decode worker caught decoding (its streams fail over to the
 worker mid-stream), a coordinator, a prefill and a decode pool manager, a router (its clients
 resume their streams on the other replica by request id), the active governor; a Redis restart
 (every key lost); a transfer stalled mid-flight (SIGSTOP of the skewed prefill worker for three
-ticket leases). Killed processes are
-restarted after a delay, as a supervisor would. In the background PostgreSQL is down for a
+ticket leases); a prefill worker's prefill loop held while its heartbeats go on (its queued
+leases lapse and the requests are retried); a rolling restart of every process, one at a time
+(SIGTERM, replaced in its slot). Killed processes are restarted after a delay, as a supervisor
+would. In the background PostgreSQL is down for a
 minute. Rounds repeat until enough requests were accepted. Then each pool is halved under the
 same load through SetTargetSize (the governor's path), the load stops, and the stack settles:
 ``pdserve audit`` reconciles the coordinator's ledgers with the workers' own block tables and
@@ -25,7 +27,7 @@ writes are the decode workers' own counters (GetStatus), polled through the run 
 workers count too. Last, goodput at 1x and 3x capacity (``bench/overload.measure_goodput``, on
 a ``pdserve up`` stack of its own with the sim GPUs as the bottleneck).
 
-    python bench/chaos.py [--quick] [--seed 1] [--rate 6] [--min-accepted 1000]
+    python bench/chaos.py [--quick] [--seed 1] [--rate 6] [--min-accepted 1000] [--faults a,b]
 
 Progress goes to stderr. Last line: JSON with accepted, completed, failed_clean, hung,
 truncated, duplicated_tokens, resumed_by_client, leaked_blocks, late_writes_accepted,
@@ -43,7 +45,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from _chaos_faults import ChaosPlan, ChaosResult, FaultRecord, has_problems, run_chaos, save_logs
+from _chaos_faults import (
+    FAULTS,
+    ChaosPlan,
+    ChaosResult,
+    FaultRecord,
+    has_problems,
+    run_chaos,
+    save_logs,
+)
 from _chaos_load import overlapping
 from _chaos_stack import ChaosConfig, ChaosStack, log
 
@@ -208,14 +218,21 @@ def main() -> None:
     parser.add_argument("--postgres-down-s", type=float, default=None)
     parser.add_argument("--num-prefill", type=int, default=2)
     parser.add_argument("--num-decode", type=int, default=2)
+    parser.add_argument("--faults", default="",
+                        help="comma-separated subset of the fault list (default: all of "
+                        f"{', '.join(FAULTS)})")
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput runs")
     parser.add_argument("--logs-dir", default="",
                         help="write every process's output here (always done, to a new temporary "
                         "folder, when a must-be-zero figure is not)")
     args = parser.parse_args()
+    faults = tuple(name for name in args.faults.split(",") if name) or FAULTS
+    if unknown := sorted(set(faults) - set(FAULTS)):
+        parser.error(f"--faults: unknown {', '.join(unknown)} (known: {', '.join(FAULTS)})")
     quick = args.quick
     plan = ChaosPlan(
         rate_rps=args.rate or (4.0 if quick else 6.0),
+        faults=faults,
         min_rounds=1 if quick else 2,
         min_accepted=args.min_accepted if args.min_accepted is not None else
         (150 if quick else 1000),
