@@ -52,12 +52,30 @@ class KvLayout:
         return math.ceil(num_tokens / self.block_size_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class KvMemory:
+    """Where a KV cache's layer buffers live, as NIXL registers them: ``kind`` is NIXL's memory
+    type (``DRAM`` for host memory, ``VRAM`` for a GPU's), ``device_id`` the GPU's index (0 for
+    host memory); layer l is ``layer_nbytes[l]`` bytes at ``layer_addresses[l]``."""
+
+    kind: str
+    device_id: int
+    layer_addresses: tuple[int, ...]
+    layer_nbytes: tuple[int, ...]
+
+    @property
+    def is_host(self) -> bool:
+        return self.kind == "DRAM"
+
+
 class KvCache:
     """Worker-side paged KV memory: ``layer_buffers[l]`` is a ``uint8[num_blocks, block_nbytes]``.
 
     Engines that compute in floating point view each layer buffer with their own dtype and shape;
     transports only ever see bytes. One buffer per layer (not one big tensor) so that a layer can
-    be registered, read and written on its own, as NIXL and real engines do.
+    be registered, read and written on its own, as NIXL and real engines do. A cache in GPU
+    memory (a vLLM engine's on CUDA) has no host buffers: ``memory`` says where its layers are
+    (NIXL moves them), and ``layer_blocks``/``zero_blocks`` reach its bytes.
     """
 
     def __init__(self, layout: KvLayout) -> None:
@@ -67,9 +85,24 @@ class KvCache:
             for _ in range(layout.num_layers)
         ]
 
+    @property
+    def memory(self) -> KvMemory:
+        return KvMemory("DRAM", 0, tuple(int(b.ctypes.data) for b in self.layer_buffers),
+                        tuple(int(b.nbytes) for b in self.layer_buffers))
+
     def block_view(self, layer: int, block_id: int) -> memoryview:
         """A writable view of one block of one layer (no copy)."""
         return memoryview(self.layer_buffers[layer][block_id])
+
+    def layer_blocks(self, layer: int, block_ids: np.ndarray) -> np.ndarray:
+        """``uint8[len(block_ids), block_nbytes]``: the bytes of those blocks of one layer, in
+        host memory (a copy)."""
+        return self.layer_buffers[layer][block_ids]
+
+    def zero_blocks(self, block_ids: np.ndarray) -> None:
+        """Zero those blocks in every layer."""
+        for buffer in self.layer_buffers:
+            buffer[block_ids] = 0
 
 
 class BlockAllocator:

@@ -38,8 +38,8 @@ def kv_checksum(kv_cache: KvCache, block_ids: Sequence[int]) -> int:
     sides of a handoff compute over the prompt's KV, so an audit can compare them."""
     crc = 0
     ids = np.asarray(block_ids, dtype=np.int64)
-    for buffer in kv_cache.layer_buffers:
-        crc = zlib.crc32(np.ascontiguousarray(buffer[ids]).data, crc)
+    for layer in range(kv_cache.layout.num_layers):
+        crc = zlib.crc32(np.ascontiguousarray(kv_cache.layer_blocks(layer, ids)).data, crc)
     return crc
 
 

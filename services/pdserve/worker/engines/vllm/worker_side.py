@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.common.errors import InvalidArgumentError, PdserveError
-from pdserve.worker.engine import KvCache, KvLayout
+from pdserve.worker.engine import KvCache, KvLayout, KvMemory
 from pdserve.worker.engines.vllm.events import ConnectorEvent, EventKind, EventSink
 from pdserve.worker.engines.vllm.exchange import DestinationExchange, make_exchange
 from pdserve.worker.engines.vllm.protocol import (
@@ -84,8 +84,12 @@ IDLE_STEP_WAIT_S = 0.005
 class VllmKvCache(KvCache):
     """``KvCache`` over vLLM's per-layer tensors (shared memory: writes land in vLLM's cache).
 
-    Each tensor must be contiguous with the block index first (the CPU backend's layout); the
-    bytes of one block of one layer are then one contiguous run of ``block_nbytes``.
+    Each tensor must be contiguous with the block index first (the CPU backend's layout; vLLM's
+    CUDA attention backends with the block index first, too); the bytes of one block of one
+    layer are then one contiguous run of ``block_nbytes``. Host tensors are viewed as the byte
+    buffers every transport uses; tensors on one CUDA device are registered with NIXL as that
+    GPU's memory (``memory``) and have no host buffers: only the ``nixl`` transport moves them,
+    and checksums copy the blocks they cover to the host.
     """
 
     def __init__(self, tensors: Sequence[Any], block_size_tokens: int) -> None:  # torch.Tensor
@@ -94,21 +98,54 @@ class VllmKvCache(KvCache):
             raise ValueError("no KV cache tensors registered")
         first = tensors[0]
         num_blocks = int(first.shape[0])
-        buffers = []
+        devices = {str(tensor.device) for tensor in tensors}
+        if len(devices) != 1 or first.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(
+                f"KV layers on {sorted(devices)}: pdserve's connector moves one host or one "
+                "CUDA device's KV cache")
         for index, tensor in enumerate(tensors):
-            if tensor.device.type != "cpu":
-                raise NotImplementedError(
-                    f"KV layer {index} is on {tensor.device}: pdserve's connector moves host "
-                    "memory only (registering device memory with nixl is not built yet)")
             if not tensor.is_contiguous() or int(tensor.shape[0]) != num_blocks:
                 raise ValueError(f"KV layer {index}: shape {tuple(tensor.shape)} is not "
                                  f"[num_blocks={num_blocks}, ...] contiguous")
-            flat = tensor.view(-1).view(dtype=_torch_uint8()).numpy()
-            buffers.append(flat.reshape(num_blocks, -1))
-        self.layout = KvLayout(num_layers=len(buffers), num_blocks=num_blocks,
+        self.tensors = list(tensors)
+        layer_nbytes = [int(t.numel()) * int(t.element_size()) for t in tensors]
+        if len(set(layer_nbytes)) != 1 or layer_nbytes[0] % num_blocks:
+            raise ValueError(f"KV layers of {sorted(set(layer_nbytes))} bytes do not split into "
+                             f"{num_blocks} equal blocks")
+        self.layout = KvLayout(num_layers=len(tensors), num_blocks=num_blocks,
                                block_size_tokens=block_size_tokens,
-                               block_nbytes=int(buffers[0].shape[1]))
-        self.layer_buffers = buffers
+                               block_nbytes=layer_nbytes[0] // num_blocks)
+        self._is_host = first.device.type == "cpu"
+        self._memory = KvMemory(
+            "DRAM" if self._is_host else "VRAM",
+            0 if self._is_host else int(first.device.index or 0),
+            tuple(int(t.data_ptr()) for t in tensors), tuple(layer_nbytes))
+        self.layer_buffers = ([t.view(-1).view(dtype=_torch_uint8()).numpy()
+                               .reshape(num_blocks, -1) for t in tensors]
+                              if self._is_host else [])
+
+    @property
+    def memory(self) -> KvMemory:
+        return self._memory
+
+    def layer_blocks(self, layer: int, block_ids: np.ndarray) -> np.ndarray:
+        if self._is_host:
+            return super().layer_blocks(layer, block_ids)
+        import torch
+
+        index = torch.as_tensor(block_ids, dtype=torch.long, device=self.tensors[layer].device)
+        picked = self.tensors[layer].index_select(0, index)
+        return picked.reshape(len(block_ids), -1).view(torch.uint8).cpu().numpy()
+
+    def zero_blocks(self, block_ids: np.ndarray) -> None:
+        if self._is_host:
+            super().zero_blocks(block_ids)
+            return
+        import torch
+
+        for tensor in self.tensors:
+            index = torch.as_tensor(block_ids, dtype=torch.long, device=tensor.device)
+            tensor.index_fill_(0, index, 0)
 
 
 def _torch_uint8() -> Any:
@@ -119,11 +156,17 @@ def _torch_uint8() -> Any:
 
 def block_crc32s(kv_cache: KvCache, block_ids: Sequence[int]) -> tuple[int, ...]:
     """One CRC-32 per block, over its layers in order."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if kv_cache.memory.is_host:  # views, no copy
+        layers: list[np.ndarray] = kv_cache.layer_buffers
+    else:  # one copy to the host of the blocks named, per layer
+        layers = [kv_cache.layer_blocks(layer, ids) for layer in range(kv_cache.layout.num_layers)]
+        ids = np.arange(ids.size)
     crcs = []
-    for block_id in block_ids:
+    for block_id in ids:
         crc = 0
-        for buffer in kv_cache.layer_buffers:
-            crc = zlib.crc32(buffer[block_id], crc)
+        for blocks in layers:
+            crc = zlib.crc32(blocks[block_id], crc)
         crcs.append(crc)
     return tuple(crcs)
 
@@ -253,6 +296,11 @@ class WorkerSide:
         assert self.kv_cache is not None
         if self._exchange is None:
             self._exchange = make_exchange(self._settings, self._events)
+        if not self.kv_cache.memory.is_host and self._settings.transport != "nixl":
+            raise NotImplementedError(
+                f"the KV cache is on a GPU ({self.kv_cache.memory.kind} device "
+                f"{self.kv_cache.memory.device_id}): transport {self._settings.transport!r} "
+                "moves host memory only; use nixl")
         self._backend = get_backend(self._settings.transport)
         if self._is_consumer:
             self._owner_table = BlockOwnerTable(self.kv_cache.layout.num_blocks)
@@ -386,9 +434,7 @@ class WorkerSide:
                 # vLLM skipped zeroing these blocks for the load and reuses them unzeroed once
                 # freed; half-written bytes (NaN, say) in slots a later request masks would
                 # still poison its attention. They are still ours: clear them.
-                ids = np.asarray(spec.dst_block_ids, dtype=np.int64)
-                for buffer in self.kv_cache.layer_buffers:
-                    buffer[ids] = 0
+                self.kv_cache.zero_blocks(np.asarray(spec.dst_block_ids, dtype=np.int64))
             self._owner_table.release(token)  # before vLLM learns: no late write lands
             self._load_tasks.pop(spec.req_id, None)
             with self._lock:

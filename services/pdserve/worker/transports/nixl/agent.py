@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.common.errors import UnavailableError
-from pdserve.worker.engine import KvCache
+from pdserve.worker.engine import KvCache, KvMemory
 from pdserve.worker.transports.nixl.control import ControlError
 
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
@@ -74,14 +74,16 @@ class NixlAgent:
         if "UCX" not in self.agent.backends:
             raise UnavailableError("NIXL has no UCX backend here")
         self.block_nbytes = kv_cache.layout.block_nbytes
-        buffers = kv_cache.layer_buffers
-        self.base_addresses = np.array([b.ctypes.data for b in buffers], dtype=np.uint64)
-        regions = [(b.ctypes.data, b.nbytes, 0, "") for b in buffers]
-        self._registration = self.agent.register_memory(regions, "DRAM")
+        memory = kv_cache.memory
+        self.memory_kind = memory.kind
+        """NIXL's memory type of the registered layers: DRAM (host) or VRAM (a GPU's)."""
+        self.device_id = memory.device_id
+        self.base_addresses = np.array(memory.layer_addresses, dtype=np.uint64)
+        self._registration = self.agent.register_memory(memory_regions(memory), memory.kind)
         self.metadata: bytes = self.agent.get_agent_metadata()
         self._remote_names: set[str] = set()
         self._finalizer = weakref.finalize(self, _deregister, self.agent, self._registration,
-                                           buffers)
+                                           kv_cache)
 
     def add_remote(self, name: str, metadata: bytes) -> None:
         """Load a peer's metadata once per peer name; raises ``ControlError`` if it is not
@@ -107,11 +109,17 @@ class NixlAgent:
         self._finalizer()
 
 
-def _deregister(agent: Any, registration: Any, buffers: list[np.ndarray]) -> None:
-    """Deregister before the buffers can go away (``buffers`` is held until then)."""
+def memory_regions(memory: KvMemory) -> list[tuple[int, int, int, str]]:
+    """NIXL registration regions ``(address, nbytes, device_id, "")``, one per layer."""
+    return [(address, nbytes, memory.device_id, "")
+            for address, nbytes in zip(memory.layer_addresses, memory.layer_nbytes, strict=True)]
+
+
+def _deregister(agent: Any, registration: Any, kv_cache: KvCache) -> None:
+    """Deregister before the cache's memory can go away (``kv_cache`` is held until then)."""
     with contextlib.suppress(Exception):
         agent.deregister_memory(registration)
-    del buffers
+    del kv_cache
 
 
 def _paired_runs(dst_ids: np.ndarray, src_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray,
@@ -124,15 +132,18 @@ def _paired_runs(dst_ids: np.ndarray, src_ids: np.ndarray) -> tuple[np.ndarray, 
 
 
 def read_descriptors(local: NixlAgent, layer: int, dst_ids: np.ndarray, remote_base: int,
-                     src_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Two ``uint64[n, 3]`` arrays ``(address, nbytes, device)``: local destination runs and the
-    matching remote source runs of one layer (equal lengths row by row)."""
+                     src_ids: np.ndarray, remote_device_id: int = 0
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Two ``uint64[n, 3]`` arrays ``(address, nbytes, device)``: local destination runs (on the
+    local agent's device) and the matching remote source runs of one layer (on
+    ``remote_device_id``), equal lengths row by row."""
     block_nbytes = local.block_nbytes
     dst_first, src_first, counts = _paired_runs(dst_ids, src_ids)
     nbytes = counts.astype(np.uint64) * np.uint64(block_nbytes)
-    zeros = np.zeros_like(nbytes)
+    local_device = np.full_like(nbytes, local.device_id)
+    remote_device = np.full_like(nbytes, remote_device_id)
     local_addr = local.base_addresses[layer] + dst_first.astype(np.uint64) * np.uint64(block_nbytes)
     remote_addr = np.uint64(remote_base) + src_first.astype(np.uint64) * np.uint64(block_nbytes)
-    return (np.stack([local_addr, nbytes, zeros], axis=1),
-            np.stack([remote_addr, nbytes, zeros], axis=1))
+    return (np.stack([local_addr, nbytes, local_device], axis=1),
+            np.stack([remote_addr, nbytes, remote_device], axis=1))
 

@@ -7,7 +7,10 @@ Header (``HEADER_NBYTES`` = 32 bytes)::
 
 Bodies: HELLO ``<IIQQIIH`` (num_layers, block_size_tokens, block_nbytes, src_num_blocks,
 num_dst_blocks, metadata_nbytes, name_nbytes) + dst ids u64[] + layer base addresses u64[] +
-agent name + metadata; LAYER ``<II`` (layer, n) + dst ids u64[n] + src ids u64[n]; DONE ``<qdI``
+agent name + metadata [+ memory ``<II`` (NIXL memory type: 1 DRAM, 2 VRAM; device id), only
+when the sender's layers are not in host memory: a DRAM HELLO is byte for byte what receivers
+before it read, and one on a GPU is refused by them as the wrong length]; LAYER ``<II``
+(layer, n) + dst ids u64[n] + src ids u64[n]; DONE ``<qdI``
 (first_token_id, prefill_compute_s, num_layers); ABORT reason (UTF-8); ACK answered kind (u8);
 ERROR refused kind (u8) + reason NUL detail. Decoders raise ``ControlError`` on anything off;
 the connection then ends.
@@ -32,6 +35,9 @@ HEADER_NBYTES = _HEADER.size
 _HELLO = struct.Struct("<IIQQIIH")
 _LAYER = struct.Struct("<II")
 _DONE = struct.Struct("<qdI")
+_MEMORY = struct.Struct("<II")
+MEMORY_KINDS = ("DRAM", "VRAM")
+"""NIXL memory types a HELLO names, by their code - 1."""
 MAX_TEXT_NBYTES = 4096
 _MAX_METADATA_NBYTES = 16 * 1024 * 1024
 _MAX_NAME_NBYTES = 1024
@@ -91,14 +97,21 @@ class Hello:
     base_addresses: np.ndarray
     agent_name: str
     metadata: bytes
+    memory_kind: str = "DRAM"
+    """NIXL memory type of the sender's layers (``MEMORY_KINDS``)."""
+    device_id: int = 0
+    """The sender's GPU index when ``memory_kind`` is VRAM."""
 
     def encode(self) -> bytes:
         name = self.agent_name.encode()
         head = _HELLO.pack(self.num_layers, self.block_size_tokens, self.block_nbytes,
                            self.src_num_blocks, self.dst_block_ids.size, len(self.metadata),
                            len(name))
+        memory = b""
+        if self.memory_kind != "DRAM" or self.device_id:
+            memory = _MEMORY.pack(MEMORY_KINDS.index(self.memory_kind) + 1, self.device_id)
         return (head + self.dst_block_ids.astype("<u8").tobytes()
-                + self.base_addresses.astype("<u8").tobytes() + name + self.metadata)
+                + self.base_addresses.astype("<u8").tobytes() + name + self.metadata + memory)
 
     @staticmethod
     def decode(body: bytes, max_blocks: int, max_layers: int) -> Hello:
@@ -111,17 +124,23 @@ class Hello:
         if md_nbytes > _MAX_METADATA_NBYTES or name_nbytes > _MAX_NAME_NBYTES:
             raise ControlError("HELLO metadata or name too long")
         expected = _HELLO.size + 8 * num_dst + 8 * num_layers + name_nbytes + md_nbytes
-        if len(body) != expected:
+        if len(body) not in (expected, expected + _MEMORY.size):
             raise ControlError(f"HELLO is {len(body)} bytes, its counts say {expected}")
+        memory_kind, device_id = "DRAM", 0
+        if len(body) > expected:
+            code, device_id = _MEMORY.unpack_from(body, expected)
+            if not 1 <= code <= len(MEMORY_KINDS):
+                raise ControlError(f"HELLO names memory type {code}")
+            memory_kind = MEMORY_KINDS[code - 1]
         offset = _HELLO.size
         dst = np.frombuffer(body, "<u8", num_dst, offset).astype(np.int64)
         offset += 8 * num_dst
         bases = np.frombuffer(body, "<u8", num_layers, offset).astype(np.uint64)
         offset += 8 * num_layers
         name = body[offset : offset + name_nbytes].decode("utf-8", errors="strict")
-        metadata = body[offset + name_nbytes :]
+        metadata = body[offset + name_nbytes : offset + name_nbytes + md_nbytes]
         return Hello(num_layers, block_size_tokens, block_nbytes, src_num_blocks, dst, bases,
-                     name, metadata)
+                     name, metadata, memory_kind, device_id)
 
 
 def encode_layer(layer: int, dst_ids: np.ndarray, src_ids: np.ndarray) -> bytes:
@@ -174,4 +193,4 @@ def max_message_nbytes(num_blocks: int, num_layers: int) -> int:
     """The longest body a receiver of ``num_blocks`` blocks and ``num_layers`` layers accepts
     (a HELLO naming every block, with the longest name and metadata allowed)."""
     return (_HELLO.size + 16 * num_blocks + 8 * num_layers + _MAX_NAME_NBYTES
-            + _MAX_METADATA_NBYTES)
+            + _MAX_METADATA_NBYTES + _MEMORY.size)

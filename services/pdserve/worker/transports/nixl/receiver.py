@@ -47,6 +47,9 @@ class _Source:
     agent_name: str
     base_addresses: np.ndarray
     num_blocks: int
+    memory_kind: str = "DRAM"
+    """NIXL memory type of the sender's layers (host or a GPU's)."""
+    device_id: int = 0
 
 
 @dataclass(eq=False)
@@ -308,7 +311,8 @@ class NixlKvReceiver(KvReceiver):
             raise FrameRefusedError(self.tickets.refuse(
                 token, "HELLO", 0, RejectReason.PROTOCOL, str(exc))) from None
         connection.sources[token] = _Source(hello.agent_name, hello.base_addresses,
-                                            hello.src_num_blocks)
+                                            hello.src_num_blocks, hello.memory_kind,
+                                            hello.device_id)
         self._token_to_connection[token] = connection
 
     async def _on_layer(self, connection: _Connection, token: FencingToken, body: bytes) -> None:
@@ -336,11 +340,12 @@ class NixlKvReceiver(KvReceiver):
         if not admission.still_writable():
             return
         local, remote = read_descriptors(self._agent, admission.layer, admission.block_ids,
-                                         int(source.base_addresses[admission.layer]), src_ids)
+                                         int(source.base_addresses[admission.layer]), src_ids,
+                                         source.device_id)
         try:
-            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
-                                           agent.get_xfer_descs(remote, "DRAM"),
-                                           source.agent_name)
+            handle = agent.initialize_xfer(
+                "READ", agent.get_xfer_descs(local, self._agent.memory_kind),
+                agent.get_xfer_descs(remote, source.memory_kind), source.agent_name)
         except Exception as exc:  # noqa: BLE001 - NIXL refuses unregistered source ranges here
             raise FrameRefusedError(self.tickets.refuse(
                 admission.token, "LAYER", admission.layer, RejectReason.MALFORMED_FRAME,

@@ -93,7 +93,7 @@ class NixlKvSender(KvSender):
         layout = self.kv_cache.layout
         hello = Hello(layout.num_layers, layout.block_size_tokens, layout.block_nbytes,
                       layout.num_blocks, self._dst_ids, local.base_addresses, local.name,
-                      local.metadata)
+                      local.metadata, local.memory_kind, local.device_id)
         await self._send(encode_message(Kind.HELLO, token, hello.encode()))
         await self._await_reply(self._hello_reply, self._settings.reply_timeout_s)
 
