@@ -51,9 +51,10 @@ TURN_ONE = _prompt(8 * BLOCK_SIZE + 10, 30)
 MAX_FILLERS = 96
 _LIVE = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
 FAILOVER_TOKENS = 64
+KILL_AFTER_OUTPUTS = (1, 3)
 OUTPUT_PAUSE_S = 0.1
-"""Before each decode output is handed on: the client kills within milliseconds of its first
-tokens, long before the next output leaves (what vLLM made meanwhile dies with the worker)."""
+"""Before each decode output is handed on: the client kills within milliseconds of its k-th
+output, long before the next one leaves (what vLLM made meanwhile dies with the worker)."""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -149,55 +150,70 @@ async def test_second_turn_goes_where_vllm_holds_the_first_until_it_is_evicted(
 async def test_a_stream_whose_decode_worker_dies_goes_on_token_exact_on_another(
         nixl_stack: VllmStack, processes: list[ServiceProcess]) -> None:
     """kill -9 of the decode worker serving a stream (its vLLM engines with it, the process
-    group) once the client has its first tokens: the router fails the stream over to the other
-    decode worker (prompt plus the delivered tokens prefilled again, over nixl) and the client's
-    output equals the uninterrupted one, token for token (greedy, float32).
+    group) once the client has had k of its outputs, for each k in ``KILL_AFTER_OUTPUTS``: the
+    router fails the stream over to another decode worker (prompt plus the delivered tokens
+    prefilled again, over nixl) and the client's output equals the uninterrupted one, token for
+    token (greedy, float32), one failover counted.
 
-    The module's decode worker is replaced by two that pause before handing on each output
+    The module's decode worker is replaced by ones that pause before handing on each output
     (``--test-decode-step-pause-s``): vLLM's decode of the tiny model on one thread outruns any
     client, so without the pause whether the kill lands before the stream's end would be timing
-    luck; with it, the client acts on its first tokens long before the next are sent. Last in
-    the module: it stops the module's decode worker."""
+    luck; with it, the client acts on its k-th output long before the next is sent. One worker
+    per kill, and one left to serve. Last in the module: it stops the module's decode worker."""
     pause = ("--test-decode-step-pause-s", str(OUTPUT_PAUSE_S))
     replacements = [nixl_stack.stack.start_worker("decode", f"vllm-decode-{i}", extra_args=pause)
-                    for i in (2, 3)]
+                    for i in range(2, 3 + len(KILL_AFTER_OUTPUTS))]
     processes.extend(replacements)
     await asyncio.to_thread(nixl_stack.decode.stop)
-    await asyncio.to_thread(wait_router_sees, nixl_stack.stack.routers[0], 2, 2, WORKER_START_S)
-    prompt = _prompt(60, 40)
-    reference = await _generate(nixl_stack, prompt, max_tokens=FAILOVER_TOKENS)
+    num_decode = len(replacements)
+    for num_outputs in KILL_AFTER_OUTPUTS:
+        await asyncio.to_thread(wait_router_sees, nixl_stack.stack.routers[0], 2, num_decode,
+                                WORKER_START_S)
+        await _check_failover_after(nixl_stack, replacements, num_outputs)
+        num_decode -= 1
+
+
+async def _check_failover_after(stack: VllmStack, decode_processes: list[ServiceProcess],
+                                num_outputs: int) -> None:
+    prompt = _prompt(60, 40 + num_outputs)
+    reference = await _generate(stack, prompt, max_tokens=FAILOVER_TOKENS)
     assert reference.error is None and len(reference.tokens) == FAILOVER_TOKENS
 
-    decode_ids = [w.worker_id for w in nixl_stack.workers("decode")]
+    # The serving ones: an earlier round's victim may still be listed, its tickets not yet gone.
+    decode_ids = [w.worker_id for w in stack.workers("decode")
+                  if w.state == pb.WORKER_STATE_READY]
 
     async def idle() -> bool:  # the reference's ticket released: the next one is the stream's
-        return not await _in_flight(nixl_stack, decode_ids)
+        return not await _in_flight(stack, decode_ids)
 
     await _wait_for(idle, 30.0, "no ticket in flight")
-    target, options = channel_target(nixl_stack.stack.router_addresses[0])
+    target, options = channel_target(stack.stack.router_addresses[0])
     tokens: list[int] = []
     final = None
     victim_id = ""
+    num_seen = 0
     async with grpc.aio.insecure_channel(target, options=options) as channel:
         call = router_pb2_grpc.RouterServiceStub(channel).Generate(router_pb2.GenerateRequest(
             model=MODEL, prompt_token_ids=prompt, prefill_mode=pb.PREFILL_MODE_REMOTE,
             sampling=pb.SamplingParams(max_tokens=FAILOVER_TOKENS, ignore_eos=True)),
             timeout=120)
-        serving = asyncio.create_task(_serving(nixl_stack, decode_ids))
+        serving = asyncio.create_task(_serving(stack, decode_ids))
         try:
             async for message in call:
                 tokens.extend(message.token_ids)
                 final = message
-                if not victim_id and tokens:
+                num_seen += bool(message.token_ids)
+                if not victim_id and num_seen == num_outputs:
                     victim_id = await serving
-                    os.killpg(_process_of_worker(replacements, victim_id).pid, signal.SIGKILL)
+                    os.killpg(_process_of_worker(decode_processes, victim_id).pid,
+                              signal.SIGKILL)
         finally:
             serving.cancel()
-    assert victim_id and final is not None
+    assert victim_id and final is not None, f"the stream had fewer than {num_outputs} outputs"
     assert len(tokens) == FAILOVER_TOKENS
     assert final.timing.num_failovers == 1, "the stream ended before its worker was killed"
     assert final.decode_worker_id != victim_id
-    assert tokens == reference.tokens
+    assert tokens == reference.tokens, f"after the kill at output {num_outputs}"
 
 
 async def _serving(stack: VllmStack, decode_ids: list[str], timeout_s: float = 30.0) -> str:
