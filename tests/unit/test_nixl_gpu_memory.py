@@ -192,3 +192,16 @@ def test_gpu_byte_access_matches_the_host_path_on_cpu_tensors() -> None:
     assert not device_path.layer_blocks(1, np.array([3])).any()
     assert device_path.layer_blocks(1, np.array([6])).any()
     assert isinstance(host.memory, KvMemory) and host.memory.is_host
+
+
+def test_a_layout_with_k_and_v_before_the_blocks_is_refused() -> None:
+    """FlashAttention's ``[2, num_blocks, ...]`` would make "block" 0 half of every block's
+    layer; with vLLM's block count known, the first dimension must be it."""
+    torch = pytest.importorskip("torch")
+    worker_side = pytest.importorskip("pdserve.worker.engines.vllm.worker_side")
+    k_and_v_first = [torch.zeros((2, NUM_BLOCKS, 16, 64)) for _ in range(2)]
+    with pytest.raises(NotImplementedError, match="block index first"):
+        worker_side.VllmKvCache(k_and_v_first, 16, expected_num_blocks=NUM_BLOCKS)
+    blocks_first = [torch.zeros((NUM_BLOCKS, 2, 16, 64)) for _ in range(2)]
+    cache = worker_side.VllmKvCache(blocks_first, 16, expected_num_blocks=NUM_BLOCKS)
+    assert cache.layout.num_blocks == NUM_BLOCKS and cache.memory.is_host

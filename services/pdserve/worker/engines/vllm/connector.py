@@ -61,6 +61,8 @@ class PdserveConnector(KVConnectorBase_V1):
         if settings.die_with_parent:
             die_with_parent()
         self._block_size = vllm_config.cache_config.block_size
+        self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        """vLLM's block count when it is known here (0 = not): checks the tensors' layout."""
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -101,7 +103,7 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches, self._block_size)
+        self._worker.register_kv_caches(kv_caches, self._block_size, self._num_blocks)
 
     def _fields(self) -> PdserveConnectorMetadataFields | None:
         if not self.has_connector_metadata():

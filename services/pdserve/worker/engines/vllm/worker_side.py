@@ -84,20 +84,28 @@ IDLE_STEP_WAIT_S = 0.005
 class VllmKvCache(KvCache):
     """``KvCache`` over vLLM's per-layer tensors (shared memory: writes land in vLLM's cache).
 
-    Each tensor must be contiguous with the block index first (the CPU backend's layout; vLLM's
-    CUDA attention backends with the block index first, too); the bytes of one block of one
-    layer are then one contiguous run of ``block_nbytes``. Host tensors are viewed as the byte
+    Each tensor must be contiguous with the block index first (the CPU backend's layout, and
+    FlashInfer's on GPUs); the bytes of one block of one layer are then one contiguous run of
+    ``block_nbytes``. A layout with K and V first (FlashAttention's ``[2, num_blocks, ...]``)
+    splits each block in two runs: refused when vLLM's ``num_blocks`` is known and the first
+    dimension is not it. Host tensors are viewed as the byte
     buffers every transport uses; tensors on one CUDA device are registered with NIXL as that
     GPU's memory (``memory``) and have no host buffers: only the ``nixl`` transport moves them,
     and checksums copy the blocks they cover to the host.
     """
 
-    def __init__(self, tensors: Sequence[Any], block_size_tokens: int) -> None:  # torch.Tensor
+    def __init__(self, tensors: Sequence[Any], block_size_tokens: int,
+                 expected_num_blocks: int = 0) -> None:  # torch.Tensor
         # No super().__init__(): it would allocate buffers; these are views of vLLM's memory.
         if not tensors:
             raise ValueError("no KV cache tensors registered")
         first = tensors[0]
         num_blocks = int(first.shape[0])
+        if expected_num_blocks and num_blocks != expected_num_blocks:
+            raise NotImplementedError(
+                f"KV layer tensors are {tuple(first.shape)} for {expected_num_blocks} blocks: "
+                "pdserve's connector needs the block index first (K and V first is "
+                "FlashAttention's layout; FlashInfer's and the CPU backend's put blocks first)")
         devices = {str(tensor.device) for tensor in tensors}
         if len(devices) != 1 or first.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(
@@ -277,10 +285,12 @@ class WorkerSide:
 
     # -- registration --
 
-    def register_kv_caches(self, kv_caches: dict[str, Any], block_size_tokens: int) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], block_size_tokens: int,
+                           num_blocks: int = 0) -> None:
         names = list(kv_caches)
         self._layer_index = {name: index for index, name in enumerate(names)}
-        self.kv_cache = VllmKvCache([kv_caches[name] for name in names], block_size_tokens)
+        self.kv_cache = VllmKvCache([kv_caches[name] for name in names], block_size_tokens,
+                                    num_blocks)
         self._thread = _LoopThread()
         self._thread.run(self._setup(), _SETUP_TIMEOUT_S)
         layout = self.kv_cache.layout
