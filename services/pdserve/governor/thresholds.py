@@ -16,7 +16,8 @@ inputs in the durable store.
   latest value again, or clears the threshold (the routers' own setting) until the next pass
   computes one.
 - **Record**: one ``ThresholdDecisionRecord`` per decision (each pass that computed a value or
-  had a pin, and each pin or unpin), written from a thread; a failed write is logged and the
+  published one, and each pin or unpin; the unpin's carries the inputs of the value it
+  restores), written from a thread; a failed write is logged and the
   decision stands. Without a durable store the latest decisions are kept in memory (bounded).
 """
 
@@ -25,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from typing import Any
 
 from pdserve.capacity.local_prefill import (
-    ComputedThreshold,
     ThresholdDecision,
     ThresholdInputs,
     compute_threshold,
@@ -104,13 +106,15 @@ class ThresholdGovernor:
             return None
         is_publishing = decision.differs_from(published) and (
             decision.source is ThresholdSource.PINNED or not self.config.is_dry_run)
+        if decision.computed_tokens is None and not is_publishing:
+            return None  # pinned, in force already, and nothing new computed: no decision
         if is_publishing:
             published = await self._store.publish(deployment.name, decision.threshold_tokens,
                                                   decision.source)
             logger.info("local-prefill threshold of %s: %d tokens (%s, version %d)",
                         deployment.name, decision.threshold_tokens, decision.source,
                         published.version)
-        return await self._record(deployment.name, decision, computed,
+        return await self._record(deployment.name, decision, computed.inputs,
                                   published if is_publishing else None)
 
     async def _pin_in_force(self, deployment: str,
@@ -134,14 +138,14 @@ class ThresholdGovernor:
         return int(pin["threshold_tokens"]) if isinstance(pin, dict) else None
 
     async def _record(self, deployment: str, decision: ThresholdDecision,
-                      computed: ComputedThreshold | None,
+                      inputs: Mapping[str, Any],
                       published: PublishedThreshold | None) -> ThresholdDecisionRecord:
         record = ThresholdDecisionRecord(
             deployment=deployment, threshold_tokens=decision.threshold_tokens,
             source=decision.source, reason=decision.reason,
             computed_tokens=decision.computed_tokens, is_published=published is not None,
             version=published.version if published is not None else None,
-            inputs=dict(computed.inputs) if computed is not None else {},
+            inputs=dict(inputs),
             at=datetime.fromtimestamp(self._clock(), UTC))
         self._decisions.setdefault(deployment, deque(maxlen=MAX_DECISIONS_IN_MEMORY)).append(
             record)
@@ -167,18 +171,19 @@ class ThresholdGovernor:
             decision = ThresholdDecision(threshold_tokens, ThresholdSource.PINNED,
                                          "pinned by an operator", None)
             published = await self._store.publish(name, threshold_tokens, ThresholdSource.PINNED)
-            await self._record(name, decision, None, published)
+            await self._record(name, decision, {}, published)
             return await self.current(name)
         latest = await self._latest_computed(name)
-        if latest is None or self.config.is_dry_run:
+        if latest is None or latest.computed_tokens is None or self.config.is_dry_run:
             await self._store.clear(name)
             logger.info("local-prefill threshold of %s unpinned: the routers' own setting until "
                         "the governor computes one", name)
             return await self.current(name)
-        decision = ThresholdDecision(latest, ThresholdSource.COMPUTED,
-                                     "unpinned: the planner's latest value", latest)
-        published = await self._store.publish(name, latest, ThresholdSource.COMPUTED)
-        await self._record(name, decision, None, published)
+        computed = latest.computed_tokens
+        decision = ThresholdDecision(computed, ThresholdSource.COMPUTED,
+                                     "unpinned: the planner's latest value", computed)
+        published = await self._store.publish(name, computed, ThresholdSource.COMPUTED)
+        await self._record(name, decision, latest.inputs, published)
         return await self.current(name)
 
     def _store_pin(self, deployment: DeploymentRef, threshold_tokens: int | None) -> None:
@@ -192,10 +197,11 @@ class ThresholdGovernor:
         self._repository.upsert_deployment(replace(record, config=config, created_at=None,
                                                    updated_at=None))
 
-    async def _latest_computed(self, deployment: str) -> int | None:
+    async def _latest_computed(self, deployment: str) -> ThresholdDecisionRecord | None:
+        """The latest decision with a computed value (its inputs go with an unpin's record)."""
         for record in await self.decisions(deployment, limit=50):
             if record.computed_tokens is not None:
-                return record.computed_tokens
+                return record
         return None
 
     # -- queries ----------------------------------------------------------------------------
