@@ -32,6 +32,7 @@ from pdserve.common.types import (
     FencingToken,
     PoolEvent,
     PoolEventKind,
+    ThresholdSource,
     Ticket,
     TicketSpec,
     TicketState,
@@ -670,6 +671,33 @@ async def test_targets(harness: Harness) -> None:
     with pytest.raises(InvalidArgumentError):
         await targets.set_target("llama", WorkerRole.DECODE, -1)
     assert await harness.backend.ping()
+
+
+async def test_published_thresholds_are_versioned_per_deployment(
+        harness: Harness) -> None:
+    store, clock = harness.backend.thresholds, harness.clock
+    assert await store.get("llama") is None and await store.list() == {}
+    first = await store.publish("llama", 64, ThresholdSource.COMPUTED)
+    assert (first.threshold_tokens, first.source, first.version) == (64, "computed", 1)
+    assert first.published_s == clock()
+    clock.advance(5.0)
+    second = await store.publish("llama", 512, ThresholdSource.PINNED)
+    await store.publish("qwen:7b", 0, ThresholdSource.COMPUTED)  # a colon in the name
+    assert second.version == 2 and second.published_s == clock()
+    assert await store.get("llama") == second
+    listed = await store.list()
+    assert set(listed) == {"llama", "qwen:7b"} and listed["llama"] == second
+    assert listed["qwen:7b"].threshold_tokens == 0 and listed["qwen:7b"].version == 1
+    await store.clear("llama")
+    assert await store.get("llama") is None and set(await store.list()) == {"qwen:7b"}
+    again = await store.publish("llama", 32, ThresholdSource.COMPUTED)
+    assert again.version == 3  # a clear keeps the count: a router never sees a version twice
+    with pytest.raises(InvalidArgumentError):
+        await store.publish("llama", -1, ThresholdSource.COMPUTED)
+    with pytest.raises(InvalidArgumentError):
+        await store.publish("", 8, ThresholdSource.COMPUTED)
+    await harness.lose_state()
+    assert await harness.backend.thresholds.list() == {}
 
 
 # -- tokenizer bundles ------------------------------------------------------------------------

@@ -160,6 +160,19 @@ def test_decisions() -> None:
     assert decide("/pdserve.api.v1.NewService/Thing", client) is Decision.PERMISSION_DENIED
 
 
+def test_only_an_admin_pins_the_local_prefill_threshold() -> None:
+    admin = Principal(frozenset({Role.ADMIN}), name="ops", has_credential=True)
+    service = Principal(frozenset({Role.SERVICE}), has_credential=True)
+    client = Principal(frozenset({Role.CLIENT}), tenant="acme", has_credential=True)
+    pin = "/pdserve.api.v1.CapacityGovernorService/SetLocalPrefillThreshold"
+    show = "/pdserve.api.v1.CapacityGovernorService/GetLocalPrefillThreshold"
+    assert decide(pin, admin) is Decision.ALLOW
+    assert decide(pin, service) is Decision.PERMISSION_DENIED
+    assert decide(pin, client) is Decision.PERMISSION_DENIED
+    assert decide(show, service) is Decision.ALLOW and decide(show, admin) is Decision.ALLOW
+    assert decide(show, client) is Decision.PERMISSION_DENIED
+
+
 def test_authenticator_roles(tmp_path: Path) -> None:
     (tmp_path / "api").write_text(f"{CLIENT_KEY} acme\n")
     (tmp_path / "admin").write_text(f"{ADMIN_KEY} ops\n")

@@ -33,6 +33,7 @@ ROUND_TRIPS: list[Callable[[Repository], None]] = [
     contract.check_deployments,
     contract.check_worker_events,
     contract.check_scaling_decisions,
+    contract.check_threshold_decisions,
     contract.check_capacity_plans,
     contract.check_request_windows,
     contract.check_transfer_stats,

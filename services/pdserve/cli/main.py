@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pdserve.cli.experts",
         "per-GPU expert load before/after a placement: table and heat map",
     ),
+    "governor": (
+        "pdserve.cli.governor",
+        "operator controls of the governor: show, pin or unpin the local-prefill threshold",
+    ),
     "audit": (
         "pdserve.cli.audit",
         "reconcile decode ledgers with worker block tables; compare KV block checksums",

@@ -103,6 +103,10 @@ class UpSettings(CommonSettings):
         False,
         help="Let the governor's autoscaler set the pool sizes (off: it records recommendations "
              "only).")
+    autoscale_interval_s: float = setting(
+        30.0, parser=float_range(0.01, 86400.0),
+        help="Seconds between the governor's passes (pool sizes and the local-prefill "
+             "threshold it publishes to the router).")
     # Router SLOs, admission and load shedding (see RouterSettings).
     slo_ttft_ms: float = setting(
         2000.0, parser=float_range(0.001, 1e9),
@@ -377,6 +381,9 @@ async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int
         GovernorSettings(autoscale_deployments=(
                              () if settings.engine == "vllm" else (settings.model,)),
                          autoscale_gpu=settings.gpu,
+                         autoscale_interval_s=settings.autoscale_interval_s,
+                         autoscale_slo_ttft_ms=settings.slo_ttft_ms,
+                         autoscale_slo_tpot_ms=settings.slo_tpot_ms,
                          autoscale_cold_start_s=settings.cold_start_s,
                          autoscale_speedup=settings.speedup,
                          autoscale_max_num_blocks=settings.max_num_blocks,

@@ -57,10 +57,11 @@ KvTransferService: UpdateProgress, RenewLease,           worker, service
 KvTransferService: AbortTicket                           worker, service, admin
 KvTransferService: GetTicket, ListTickets,               admin, service
   WatchTickets, GetLedger
-CapacityGovernorService: SetAutoscalerControls           admin
+CapacityGovernorService: SetAutoscalerControls,          admin
+  SetLocalPrefillThreshold
 CapacityGovernorService: GetCapacity, GetPlan,           admin, service
   WhatIfPlan, ListDecisions, GetExpertPlacement,
-  WhatIfExpertPlacement
+  WhatIfExpertPlacement, GetLocalPrefillThreshold
 WorkerAgentService: AdmitTicket, Prefill, Decode,        service (router, coordinator, pools)
   DropTicket, ApplyExpertPlacement, BeginDrain
 WorkerAgentService: GetStatus, GetPerformanceProfile     service, admin
@@ -147,9 +148,11 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
                "AbortTicket"),
     **_service("KvTransferService", _OPERATOR, "GetTicket", "ListTickets", "WatchTickets",
                "GetLedger"),
-    **_service("CapacityGovernorService", frozenset({Role.ADMIN}), "SetAutoscalerControls"),
+    **_service("CapacityGovernorService", frozenset({Role.ADMIN}), "SetAutoscalerControls",
+               "SetLocalPrefillThreshold"),
     **_service("CapacityGovernorService", _OPERATOR, "GetCapacity", "GetPlan", "WhatIfPlan",
-               "ListDecisions", "GetExpertPlacement", "WhatIfExpertPlacement"),
+               "ListDecisions", "GetExpertPlacement", "WhatIfExpertPlacement",
+               "GetLocalPrefillThreshold"),
     **_service("WorkerAgentService", frozenset({Role.SERVICE}), "AdmitTicket", "Prefill",
                "Decode", "DropTicket", "ApplyExpertPlacement", "BeginDrain"),
     **_service("WorkerAgentService", _OPERATOR, "GetStatus", "GetPerformanceProfile"),

@@ -226,3 +226,25 @@ class PoolSnapshot:
 
     workers: tuple[WorkerRecord, ...]
     cursor: str
+
+
+class ThresholdSource(enum.StrEnum):
+    """Where a published local-prefill threshold comes from: the governor's planner, or an
+    operator's pin (which the governor publishes instead of what it computes)."""
+
+    COMPUTED = "computed"
+    PINNED = "pinned"
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedThreshold:
+    """The local-prefill threshold in force for one deployment, as the hot state holds it:
+    prompts with at most ``threshold_tokens`` uncached tokens prefill on the decode worker.
+    ``version`` counts every publication of the deployment (1, 2, ...; it survives a clear);
+    ``published_s`` is the publisher's wall clock."""
+
+    deployment: str
+    threshold_tokens: int
+    source: ThresholdSource
+    version: int
+    published_s: float

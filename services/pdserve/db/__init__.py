@@ -31,6 +31,7 @@ from pdserve.db.records import (
     RequestWindowRecord,
     ScalingAction,
     ScalingDecisionRecord,
+    ThresholdDecisionRecord,
     TransferStatsRecord,
     WorkerEventRecord,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "RequestWindowRecord",
     "ScalingAction",
     "ScalingDecisionRecord",
+    "ThresholdDecisionRecord",
     "TransferStatsRecord",
     "WallClock",
     "WorkerEventRecord",

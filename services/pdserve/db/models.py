@@ -127,6 +127,22 @@ class ScalingDecision(Base):
     forecast: Mapped[dict[str, Any]] = mapped_column(Json)
 
 
+class ThresholdDecision(Base):
+    __tablename__ = "pdserve_threshold_decisions"
+    __table_args__ = (sa.Index(None, "deployment", "at"),)
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True)
+    deployment: Mapped[str] = mapped_column(sa.String(128))
+    at: Mapped[datetime] = mapped_column(UtcDateTime)
+    threshold_tokens: Mapped[int] = mapped_column(sa.Integer)
+    source: Mapped[str] = mapped_column(sa.String(16))
+    computed_tokens: Mapped[int | None] = mapped_column(sa.Integer)
+    reason: Mapped[str] = mapped_column(sa.Text)
+    is_published: Mapped[bool] = mapped_column(sa.Boolean)
+    version: Mapped[int | None] = mapped_column(sa.Integer)
+    inputs: Mapped[dict[str, Any]] = mapped_column(Json)
+
+
 class RequestWindow(Base):
     __tablename__ = "pdserve_request_windows"
     __table_args__ = (sa.UniqueConstraint("deployment", "window_start", "window_s", "source",

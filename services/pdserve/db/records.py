@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from pdserve.common.errors import InvalidArgumentError
-from pdserve.common.types import TicketState, WorkerRole, WorkerState
+from pdserve.common.types import ThresholdSource, TicketState, WorkerRole, WorkerState
 
 JsonObject = Mapping[str, Any]
 """A JSON object as decoded by ``json.loads``."""
@@ -191,6 +191,41 @@ class ScalingDecisionRecord:
         _require(isinstance(self.is_dry_run, bool), "is_dry_run", "must be a bool")
         _check_json_object(self.inputs, "inputs")
         _check_json_object(self.forecast, "forecast")
+        _check_time(self.at, "at")
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdDecisionRecord:
+    """One local-prefill threshold decision of the governor for one deployment, with what it
+    was computed from.
+
+    ``threshold_tokens`` is what it put in force (``source``: the planner's value or an
+    operator's pin); ``computed_tokens`` what the planner computed (None: it had nothing to
+    compute from, e.g. an operator's pin or unpin between passes). ``is_published``: the
+    routers were sent it (False when it was already in force, or in a dry run); ``version``:
+    the hot state's version of that publication.
+    """
+
+    deployment: str
+    threshold_tokens: int
+    source: ThresholdSource
+    reason: str
+    computed_tokens: int | None = None
+    is_published: bool = False
+    version: int | None = None
+    inputs: JsonObject = field(default_factory=dict)
+    at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        _check_name(self.deployment, "deployment")
+        _check_count(self.threshold_tokens, "threshold_tokens")
+        _require(isinstance(self.source, ThresholdSource), "source", "must be a ThresholdSource")
+        if self.computed_tokens is not None:
+            _check_count(self.computed_tokens, "computed_tokens")
+        _require(isinstance(self.is_published, bool), "is_published", "must be a bool")
+        _require(self.version is None or (isinstance(self.version, int) and self.version >= 1),
+                 "version", "must be None or an integer >= 1")
+        _check_json_object(self.inputs, "inputs")
         _check_time(self.at, "at")
 
 

@@ -31,7 +31,7 @@ from pdserve.common.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from pdserve.common.types import TicketState, WorkerRole, WorkerState
+from pdserve.common.types import ThresholdSource, TicketState, WorkerRole, WorkerState
 from pdserve.db.engine import SETTING, is_sqlite_memory, make_engine
 from pdserve.db.models import (
     CapacityPlan,
@@ -39,6 +39,7 @@ from pdserve.db.models import (
     ExpertPlacement,
     RequestWindow,
     ScalingDecision,
+    ThresholdDecision,
     TransferStats,
     WorkerEvent,
 )
@@ -49,6 +50,7 @@ from pdserve.db.records import (
     RequestWindowRecord,
     ScalingAction,
     ScalingDecisionRecord,
+    ThresholdDecisionRecord,
     TransferStatsRecord,
     WorkerEventRecord,
 )
@@ -262,6 +264,31 @@ class Repository:
         with self._transaction() as session:
             return [_scaling_decision_record(row) for row in session.scalars(query)]
 
+    def record_threshold_decision(self, record: ThresholdDecisionRecord) -> ThresholdDecisionRecord:
+        row = ThresholdDecision(
+            deployment=record.deployment,
+            at=_utc(record.at) if record.at else self._now(),
+            threshold_tokens=record.threshold_tokens,
+            source=record.source.value,
+            computed_tokens=record.computed_tokens,
+            reason=record.reason,
+            is_published=record.is_published,
+            version=record.version,
+            inputs=dict(record.inputs),
+        )
+        with self._transaction() as session:
+            session.add(row)
+        return _threshold_decision_record(row)
+
+    def list_threshold_decisions(self, deployment: str,
+                                 limit: int = 100) -> list[ThresholdDecisionRecord]:
+        """The latest ``limit`` threshold decisions for ``deployment``, newest first."""
+        _check_limit(limit)
+        query = (sa.select(ThresholdDecision).filter_by(deployment=deployment)
+                 .order_by(ThresholdDecision.at.desc(), ThresholdDecision.id.desc()).limit(limit))
+        with self._transaction() as session:
+            return [_threshold_decision_record(row) for row in session.scalars(query)]
+
     def record_capacity_plan(self, record: CapacityPlanRecord) -> CapacityPlanRecord:
         row = CapacityPlan(
             deployment=record.deployment,
@@ -462,6 +489,20 @@ def _scaling_decision_record(row: ScalingDecision) -> ScalingDecisionRecord:
         is_dry_run=row.is_dry_run,
         inputs=row.inputs,
         forecast=row.forecast,
+        at=row.at,
+    )
+
+
+def _threshold_decision_record(row: ThresholdDecision) -> ThresholdDecisionRecord:
+    return ThresholdDecisionRecord(
+        deployment=row.deployment,
+        threshold_tokens=row.threshold_tokens,
+        source=ThresholdSource(row.source),
+        reason=row.reason,
+        computed_tokens=row.computed_tokens,
+        is_published=row.is_published,
+        version=row.version,
+        inputs=row.inputs,
         at=row.at,
     )
 

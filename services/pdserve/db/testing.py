@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import sqlalchemy as sa
 
 from pdserve.common.errors import AlreadyExistsError, ConfigError
-from pdserve.common.types import TicketState, WorkerRole, WorkerState
+from pdserve.common.types import ThresholdSource, TicketState, WorkerRole, WorkerState
 from pdserve.db import migrate
 from pdserve.db.records import (
     CapacityPlanRecord,
@@ -25,6 +25,7 @@ from pdserve.db.records import (
     RequestWindowRecord,
     ScalingAction,
     ScalingDecisionRecord,
+    ThresholdDecisionRecord,
     TransferStatsRecord,
     WorkerEventRecord,
 )
@@ -59,7 +60,7 @@ def check_migration_cycle(engine: sa.Engine) -> None:
     assert migrate.current(engine) is None
     assert migrate.upgrade(engine) == migrate.head()
     tables = _pdserve_tables(engine)
-    assert len(tables) == 8, tables  # seven record tables and the version table
+    assert len(tables) == 9, tables  # eight record tables and the version table
     assert migrate.upgrade(engine) == migrate.head()
     assert _pdserve_tables(engine) == tables
     assert migrate.schema_diff(engine) == []
@@ -158,6 +159,24 @@ def check_scaling_decisions(repo: Repository) -> None:
     assert repo.list_scaling_decisions("llama", 10, role=WorkerRole.PREFILL) == [stored[0]]
     assert repo.list_scaling_decisions("llama", 10)[1].is_dry_run is True
     assert repo.list_scaling_decisions("missing", 10) == []
+
+
+def check_threshold_decisions(repo: Repository) -> None:
+    computed = repo.record_threshold_decision(ThresholdDecisionRecord(
+        deployment="llama", threshold_tokens=128, source=ThresholdSource.COMPUTED,
+        reason="planner", computed_tokens=128, is_published=True, version=3,
+        inputs={"arrival_rate_per_s": 4.5, "prompt_tokens_p50": 180, "num_decode_ready": 2}))
+    pinned = repo.record_threshold_decision(ThresholdDecisionRecord(
+        deployment="llama", threshold_tokens=512, source=ThresholdSource.PINNED,
+        reason="pinned by an operator"))
+    repo.record_threshold_decision(ThresholdDecisionRecord(
+        deployment="other", threshold_tokens=0, source=ThresholdSource.COMPUTED, reason="x"))
+    assert repo.list_threshold_decisions("llama") == [pinned, computed]
+    newest = repo.list_threshold_decisions("llama", 1)[0]
+    assert newest.source is ThresholdSource.PINNED and newest.computed_tokens is None
+    assert newest.version is None and not newest.is_published
+    assert repo.list_threshold_decisions("llama")[1].inputs["prompt_tokens_p50"] == 180
+    assert repo.list_threshold_decisions("missing") == []
 
 
 def check_capacity_plans(repo: Repository) -> None:

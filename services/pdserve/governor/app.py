@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve.api.v1 import governor_pb2_grpc
 from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls
+from pdserve.capacity.plan_inputs import Slo
 from pdserve.capacity.sizing import InstanceProfile, SizingConfig
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.leadership import LeaderElector, Lease, holder_id, open_lease
@@ -28,6 +29,7 @@ from pdserve.governor.autoscaling import (
 from pdserve.governor.expert_service import ExpertPlacementService
 from pdserve.governor.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.governor.settings import GovernorSettings
+from pdserve.governor.thresholds import ThresholdConfig, ThresholdGovernor
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.stores import open_stores
 
@@ -78,11 +80,17 @@ class GovernorApp:
         # Expert placement (EPLB): loads from the pools' hot state, versions in the durable store.
         self.experts = ExpertPlacementService(settings, backend, repository)
         self.servicer.experts = self.experts
-        # Autoscaler: one policy per deployment, decisions in the durable store.
+        # Autoscaler: one policy per deployment, decisions in the durable store; and the
+        # local-prefill threshold it publishes to the routers.
+        hot = backend if backend is not None else self.experts.backend
+        slo = Slo(settings.autoscale_slo_ttft_ms / 1000.0, settings.autoscale_slo_tpot_ms / 1000.0)
+        self.thresholds = ThresholdGovernor(
+            hot, ThresholdConfig(slo, is_dry_run=settings.is_threshold_dry_run), clock=clock,
+            repository=repository)
         self.governor = CapacityGovernor(
-            deployment_specs(settings, repository),
-            backend if backend is not None else self.experts.backend,
+            deployment_specs(settings, repository), hot,
             clock=clock, target_setter=target_setter, repository=repository,
+            thresholds=self.thresholds,
             config=GovernorConfig(interval_s=settings.autoscale_interval_s),
             controls=AutoscalerControls(is_dry_run=settings.is_autoscaler_dry_run,
                                         max_gpus=settings.autoscale_max_gpus),

@@ -23,6 +23,9 @@ record -> actuate.
   the forecast (the ``forecast_*`` and ``headroom_*`` inputs), written from a thread
   (``asyncio.to_thread``) so the event loop never waits on Postgres. A failed write is logged;
   the loop carries on (serving does not depend on the durable store).
+- **Local-prefill threshold** (``governor.thresholds``, when given): the planner's threshold
+  for the interval's demand (its prompt lengths) and the ready pools, published to the routers
+  unless an operator pinned one, and recorded with its inputs.
 - **Actuate** unless the controls say dry run: set each pool's target size through a
   ``TargetSetter`` (the pool managers' ``SetTargetSize`` RPC, or the in-process managers of
   ``pdserve up``). The pool managers start instances through their provisioner and choose
@@ -49,6 +52,8 @@ import grpc
 from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
 from pdserve.capacity.autoscaler import Autoscaler
 from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls
+from pdserve.capacity.local_prefill import ThresholdInputs
+from pdserve.capacity.plan_inputs import InstanceShape
 from pdserve.capacity.scaling import (
     PoolObservation,
     ScalingDecision,
@@ -63,6 +68,7 @@ from pdserve.common.types import Clock, Ticket, WorkerRecord, WorkerRole, Worker
 from pdserve.db.records import DeploymentRecord, ScalingAction, ScalingDecisionRecord
 from pdserve.db.repository import Repository
 from pdserve.governor.metrics import DECISIONS, TARGETS
+from pdserve.governor.thresholds import DeploymentRef, ThresholdGovernor
 from pdserve.state.interfaces import StateBackend
 
 logger = logging.getLogger(__name__)
@@ -143,6 +149,8 @@ class DemandSample:
 
     num_requests: int
     mean_prompt_tokens: float | None
+    prompt_tokens: tuple[int, ...] = ()
+    """The prompt length of each request counted."""
 
 
 def demand_in_window(tickets: Sequence[Ticket], deployment: str, start_s: float, end_s: float,
@@ -152,7 +160,7 @@ def demand_in_window(tickets: Sequence[Ticket], deployment: str, start_s: float,
     in ``already_counted``, the previous window's, are skipped). Returns the sample and the ids
     counted now."""
     counted: set[str] = set()
-    prompt_tokens = 0
+    prompts: list[int] = []
     for ticket in tickets:
         if ticket.deployment != deployment or not start_s < ticket.created_s <= end_s:
             continue
@@ -160,9 +168,10 @@ def demand_in_window(tickets: Sequence[Ticket], deployment: str, start_s: float,
         if request_id in counted or request_id in already_counted:
             continue
         counted.add(request_id)
-        prompt_tokens += ticket.num_prompt_tokens
+        prompts.append(ticket.num_prompt_tokens)
+    prompt_tokens = sum(prompts)
     mean = prompt_tokens / len(counted) if counted and prompt_tokens else None
-    return DemandSample(len(counted), mean), counted
+    return DemandSample(len(counted), mean, tuple(prompts)), counted
 
 
 def observe_pool(records: Sequence[WorkerRecord], role: WorkerRole) -> PoolObservation:
@@ -221,6 +230,8 @@ class _Deployment:
     latest: ScalingDecision | None = None
     latest_at_s: float = 0.0
     decisions: deque[ScalingDecisionRecord] = field(default_factory=deque)
+    window: DemandSample = DemandSample(0, None)
+    """The latest interval's demand (the local-prefill threshold reads its prompt lengths)."""
 
 
 class CapacityGovernor:
@@ -228,7 +239,8 @@ class CapacityGovernor:
 
     ``repository`` None keeps decisions in memory only (bounded); ``target_setter`` None never
     actuates (every decision is then a recommendation, recorded as a dry run). ``policies``
-    replaces the ``Autoscaler`` of a deployment by another ``ScalingPolicy``.
+    replaces the ``Autoscaler`` of a deployment by another ``ScalingPolicy``. ``thresholds``
+    computes and publishes the local-prefill threshold on each pass (None: it is not).
     ``clock`` is wall-clock seconds, the coordinator's (ticket times are compared with it).
     """
 
@@ -238,8 +250,10 @@ class CapacityGovernor:
                  config: GovernorConfig = GovernorConfig(),
                  controls: AutoscalerControls | None = None,
                  autoscaler_config: AutoscalerConfig | None = None,
-                 policies: Mapping[str, ScalingPolicy] | None = None) -> None:
+                 policies: Mapping[str, ScalingPolicy] | None = None,
+                 thresholds: ThresholdGovernor | None = None) -> None:
         self._backend = backend
+        self.thresholds = thresholds
         self._clock = clock
         self.target_setter = target_setter
         self._repository = repository
@@ -373,7 +387,26 @@ class CapacityGovernor:
                                  (WorkerRole.DECODE, decision.num_decode)):
                 if previous[role] != target:
                     await self.target_setter.set_target(state.spec.name, role, target)
+        if self.thresholds is not None:
+            try:
+                await self.thresholds.step(deployment_ref(state.spec),
+                                           self._threshold_inputs(state, observation))
+            except Exception:  # the scaling decision stands; the threshold in force stays
+                logger.warning("local-prefill threshold of %s failed", state.spec.name,
+                               exc_info=True)
         return decision
+
+    def _threshold_inputs(self, state: _Deployment,
+                          observation: ScalingObservation) -> ThresholdInputs:
+        assert self.thresholds is not None
+        spec = state.spec
+        rate = observation.arrival_rates_per_s[-1] if observation.arrival_rates_per_s else 0.0
+        return ThresholdInputs(
+            deployment=spec.name, shape=InstanceShape(spec.model, spec.gpu, spec.tp_size),
+            rate_per_s=rate, prompt_tokens=state.window.prompt_tokens,
+            mean_output_tokens=state.mean_output_tokens,
+            num_prefill=observation.prefill.num_ready, num_decode=observation.decode.num_ready,
+            slo=self.thresholds.config.slo, speedup=spec.profile.speedup)
 
     async def _observe(self, state: _Deployment, tickets: Sequence[Ticket],
                        now_s: float) -> ScalingObservation:
@@ -384,6 +417,7 @@ class CapacityGovernor:
         elapsed_s = max(now_s - start_s, 1e-3)
         sample, state.counted_ids = demand_in_window(tickets, spec.name, start_s, now_s,
                                                      state.counted_ids)
+        state.window = sample
         state.last_observed_s = now_s
         rate = sample.num_requests / elapsed_s
         state.rates.append(rate)
@@ -476,3 +510,7 @@ class CapacityGovernor:
 
     def spec(self, deployment: str) -> DeploymentSpec:
         return self._get(deployment).spec
+
+
+def deployment_ref(spec: DeploymentSpec) -> DeploymentRef:
+    return DeploymentRef(spec.name, spec.model, spec.gpu, spec.tp_size)

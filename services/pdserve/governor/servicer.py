@@ -22,11 +22,12 @@ from pdserve.capacity.eplb import plan_expert_placement
 from pdserve.capacity.eplb_placement import PlacementPolicy, PlacementTopology, gpu_balancedness
 from pdserve.common.convert import role_from_pb, role_to_pb
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
-from pdserve.common.types import Clock, WorkerRole
+from pdserve.common.types import Clock, ThresholdSource, WorkerRole
 from pdserve.db.records import ScalingAction, ScalingDecisionRecord
-from pdserve.governor.autoscaling import CapacityGovernor, DeploymentSpec
+from pdserve.governor.autoscaling import CapacityGovernor, DeploymentSpec, deployment_ref
 from pdserve.governor.expert_convert import placement_to_pb
 from pdserve.governor.expert_service import ExpertPlacementService
+from pdserve.governor.thresholds import ThresholdState
 from pdserve.perf.catalog import get_gpu, get_model
 from pdserve.perf.kv_budget import CapacityConfig, capacity_report
 
@@ -49,6 +50,12 @@ DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 10_000
 MAX_OVERRIDE_S = 7 * 86_400.0
 """Longest manual override accepted: an override is a temporary measure."""
+MAX_PIN_TOKENS = 10_000_000
+"""Largest pinned local-prefill threshold (the routers' setting's bound)."""
+_SOURCE_TO_PB = {
+    ThresholdSource.COMPUTED: governor_pb2.THRESHOLD_SOURCE_COMPUTED,
+    ThresholdSource.PINNED: governor_pb2.THRESHOLD_SOURCE_PINNED,
+}
 UNBOUNDED_INSTANCES = PoolBounds().max_instances
 """``PoolBounds.max_instances`` 0 in a request means no maximum (this many)."""
 
@@ -65,6 +72,41 @@ def decision_to_pb(record: ScalingDecisionRecord) -> governor_pb2.ScalingDecisio
         inputs_json=json.dumps(inputs, sort_keys=True, allow_nan=False),
         decided_unix_ms=decided_ms,
     )
+
+
+def threshold_to_pb(deployment: str, state: ThresholdState) -> governor_pb2.LocalPrefillThreshold:
+    """The threshold in force and the latest decision (``inputs_json``: its inputs)."""
+    message = governor_pb2.LocalPrefillThreshold(deployment=deployment)
+    published, latest = state.published, state.latest
+    if published is not None:
+        message.is_published = True
+        message.threshold_tokens = published.threshold_tokens
+        message.source = _SOURCE_TO_PB[published.source]
+        message.version = published.version
+        message.published_unix_ms = int(published.published_s * 1000)
+    if latest is not None:
+        message.reason = latest.reason
+        if latest.computed_tokens is not None:
+            message.has_computed = True
+            message.computed_threshold_tokens = latest.computed_tokens
+        message.inputs_json = json.dumps(dict(latest.inputs), sort_keys=True, allow_nan=False)
+        message.decided_unix_ms = int(latest.at.timestamp() * 1000) if latest.at else 0
+    return message
+
+
+def pin_from_pb(request: governor_pb2.SetLocalPrefillThresholdRequest) -> int | None:
+    """The pin asked for (None: unpin); ``InvalidArgumentError`` names a bad field."""
+    if not request.is_pinned:
+        if request.pin_threshold_tokens:
+            raise InvalidArgumentError(
+                "pin_threshold_tokens: set without is_pinned (to unpin, leave it 0)",
+                field="pin_threshold_tokens")
+        return None
+    if request.pin_threshold_tokens > MAX_PIN_TOKENS:
+        raise InvalidArgumentError(
+            f"pin_threshold_tokens: at most {MAX_PIN_TOKENS}, got "
+            f"{request.pin_threshold_tokens}", field="pin_threshold_tokens")
+    return int(request.pin_threshold_tokens)
 
 
 def plan_to_pb(spec: DeploymentSpec, num_prefill: int, num_decode: int,
@@ -251,6 +293,32 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
         controls = controls_from_pb(request, self._clock())
         await governor.set_controls(request.deployment, controls)
         return governor_pb2.SetAutoscalerControlsResponse()
+
+    def _thresholds(self, deployment: str) -> tuple[CapacityGovernor, DeploymentSpec]:
+        governor = self._governor()
+        spec = governor.spec(deployment)  # NOT_FOUND / INVALID_ARGUMENT first
+        if governor.thresholds is None:
+            raise UnavailableError("the local-prefill threshold is not governed here")
+        return governor, spec
+
+    async def GetLocalPrefillThreshold(
+            self, request: governor_pb2.GetLocalPrefillThresholdRequest,
+            context: grpc.aio.ServicerContext) -> governor_pb2.GetLocalPrefillThresholdResponse:
+        governor, spec = self._thresholds(request.deployment)
+        assert governor.thresholds is not None
+        state = await governor.thresholds.current(spec.name)
+        return governor_pb2.GetLocalPrefillThresholdResponse(
+            threshold=threshold_to_pb(spec.name, state))
+
+    async def SetLocalPrefillThreshold(
+            self, request: governor_pb2.SetLocalPrefillThresholdRequest,
+            context: grpc.aio.ServicerContext) -> governor_pb2.SetLocalPrefillThresholdResponse:
+        governor, spec = self._thresholds(request.deployment)
+        assert governor.thresholds is not None
+        pin = pin_from_pb(request)
+        state = await governor.thresholds.pin(deployment_ref(spec), pin)
+        return governor_pb2.SetLocalPrefillThresholdResponse(
+            threshold=threshold_to_pb(spec.name, state))
 
     experts: ExpertPlacementService | None = None
     """The expert-placement loop (``pdserve.governor.expert_service``), set by the app."""

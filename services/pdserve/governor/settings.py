@@ -80,6 +80,14 @@ class GovernorSettings(CommonSettings):
     autoscale_slo_tpot_ms: float = setting(
         100.0, parser=float_range(0.001, 1e9),
         help="TPOT SLO that bounds the decode batch, ms.")
+    autoscale_slo_ttft_ms: float = setting(
+        2000.0, parser=float_range(0.001, 1e9),
+        help="TTFT SLO the local-prefill threshold is derived against, ms (with "
+             "autoscale_slo_tpot_ms).")
+    is_threshold_dry_run: bool = setting(
+        False,
+        help="Record the local-prefill threshold the governor computes, never publish it to the "
+             "routers (operators' pins are published all the same).")
     autoscale_max_gpus: int = setting(
         0, parser=int_range(0, 10_000_000),
         help="GPU budget over both pools of a deployment (0 = none); operators change it with "

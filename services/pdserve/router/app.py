@@ -22,6 +22,7 @@ from pdserve.router.policy import RoutingConfig
 from pdserve.router.pool_view import PoolFollower, PoolView
 from pdserve.router.servicer import SERVICE_NAME, RouterServicer
 from pdserve.router.settings import RouterSettings
+from pdserve.router.thresholds import PublishedThresholds
 from pdserve.router.tokenizer_registry import TokenizerRegistry
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.prefix_index import PrefixIndex
@@ -77,8 +78,11 @@ class RouterApp:
         self.outcomes = OutcomeAggregator(settings.slo_ttft_ms, settings.slo_tpot_ms,
                                           settings.outcome_window_s, writer=window_writer,
                                           source=replica_id())
-        self.router = Router(router_config(settings), self.view, tickets, self.workers,
-                             prefix_index, self.outcomes)
+        config = router_config(settings)
+        self.thresholds = PublishedThresholds(backend.thresholds, config.routing,
+                                              settings.threshold_refresh_s)
+        self.router = Router(config, self.view, tickets, self.workers, prefix_index,
+                             self.outcomes, thresholds=self.thresholds)
         self.servicer = RouterServicer(self.router, self.tokenizers)
         self.http_port: int | None = None
         self.http_scheme = "https" if settings.http_tls_cert_path is not None else "http"
@@ -92,6 +96,7 @@ class RouterApp:
 
     async def start(self) -> None:
         await self.follower.start()
+        await self.thresholds.start()
         self._outcome_task = asyncio.create_task(self.outcomes.run(self._stop))
         if self.settings.http_port >= 0:
             from pdserve.common.credentials import load_key_file
@@ -113,6 +118,7 @@ class RouterApp:
         self._stop.set()
         if self._outcome_task is not None:
             await self._outcome_task
+        await self.thresholds.close()
         await self.follower.close()
         await self.workers.close()
 

@@ -72,6 +72,7 @@ from pdserve.router.policy import (
 )
 from pdserve.router.pool_view import PoolView, WorkerView
 from pdserve.router.prediction import snapshot_of
+from pdserve.router.thresholds import PublishedThresholds
 from pdserve.router.types import (
     PB_TO_FINISH_REASON,
     FinishReason,
@@ -170,8 +171,12 @@ class Router:
         prefix_index: PrefixIndex | None = None,
         outcome_sink: OutcomeSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        thresholds: PublishedThresholds | None = None,
     ) -> None:
+        """``thresholds``: the governor's published local-prefill thresholds (None: the
+        config's own threshold for every deployment)."""
         self.config = config
+        self.thresholds = thresholds
         self.in_flight = InFlightLedger()
         """This router's prefills and KV reservations on each worker (routing and admission)."""
         self.admission = AdmissionPolicy(config.admission_config(), self.in_flight)
@@ -444,9 +449,16 @@ class Router:
                     snapshot_of(w, num_prompt_tokens), self._clock()),
                 num_cached_prefix_tokens=overlap.get(w.worker_id, 0) * block_size,
             ) for w in prefillers],
-            self.config.routing,
+            self.routing_for(request.model),
             excluded,
         )
+
+    def routing_for(self, deployment: str) -> RoutingConfig:
+        """The routing knobs of ``deployment``: the config's, with the governor's published
+        local-prefill threshold when there is one."""
+        if self.thresholds is None:
+            return self.config.routing
+        return self.thresholds.routing_for(deployment)
 
     def _decode_candidate(self, worker: WorkerView,
                           num_cached_prefix_tokens: int = 0) -> DecodeCandidate:

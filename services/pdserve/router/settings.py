@@ -79,7 +79,12 @@ class RouterSettings(CommonSettings):
         help="Largest max_tokens accepted.")
     local_prefill_threshold_tokens: int = setting(
         64, parser=int_range(0, 10_000_000),
-        help="Uncached prompt tokens at or below which decode prefills itself.")
+        help="Uncached prompt tokens at or below which decode prefills itself, for a deployment "
+             "the governor has published no threshold for.")
+    threshold_refresh_s: float = setting(
+        1.0, parser=float_range(0.05, 3600.0),
+        help="How often the router reads the local-prefill thresholds the governor publishes "
+             "(one store read for every deployment), seconds.")
     prefill_saturation_tokens: int = setting(
         65536, parser=int_range(0, 10**9),
         help="Queued prefill tokens beyond which prompts prefill locally.")

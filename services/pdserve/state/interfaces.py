@@ -24,7 +24,9 @@ from pdserve.common.types import (
     PoolEvent,
     PoolEvents,
     PoolSnapshot,
+    PublishedThreshold,
     ReconcileResult,
+    ThresholdSource,
     Ticket,
     TicketSpec,
     TicketState,
@@ -145,6 +147,28 @@ class TargetStore(Protocol):
     async def get_target(self, deployment: str, role: WorkerRole) -> int | None: ...
 
 
+class ThresholdStore(Protocol):
+    """The local-prefill threshold the governor publishes per deployment, which routers read
+    (all at once, on a short interval: never per request). Soft state like the rest: the
+    governor publishes again on its next pass after a store loss (a pin from its durable copy).
+    """
+
+    async def publish(self, deployment: str, threshold_tokens: int,
+                      source: ThresholdSource) -> PublishedThreshold:
+        """Put ``threshold_tokens`` in force for ``deployment``, with the next version."""
+        ...
+
+    async def clear(self, deployment: str) -> None:
+        """No threshold in force (routers fall back to their setting); the version count stays."""
+        ...
+
+    async def get(self, deployment: str) -> PublishedThreshold | None: ...
+
+    async def list(self) -> dict[str, PublishedThreshold]:
+        """Every deployment's threshold in force, by deployment (one read)."""
+        ...
+
+
 class TokenizerStore(Protocol):
     """Model tokenizers by digest (``TokenizerBundle.sha256``), with a TTL. Soft state like the
     rest: the pool manager extends a bundle's TTL with every heartbeat of a worker that serves
@@ -180,6 +204,9 @@ class StateBackend(Protocol):
 
     @property
     def tokenizers(self) -> TokenizerStore: ...
+
+    @property
+    def thresholds(self) -> ThresholdStore: ...
 
     async def ping(self) -> bool: ...
 

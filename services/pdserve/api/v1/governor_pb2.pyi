@@ -20,6 +20,12 @@ class PlacementPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PLACEMENT_POLICY_UNSPECIFIED: _ClassVar[PlacementPolicy]
     PLACEMENT_POLICY_HIERARCHICAL: _ClassVar[PlacementPolicy]
     PLACEMENT_POLICY_GLOBAL: _ClassVar[PlacementPolicy]
+
+class ThresholdSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    THRESHOLD_SOURCE_UNSPECIFIED: _ClassVar[ThresholdSource]
+    THRESHOLD_SOURCE_COMPUTED: _ClassVar[ThresholdSource]
+    THRESHOLD_SOURCE_PINNED: _ClassVar[ThresholdSource]
 SCALING_ACTION_UNSPECIFIED: ScalingAction
 SCALING_ACTION_HOLD: ScalingAction
 SCALING_ACTION_SCALE_UP: ScalingAction
@@ -27,6 +33,9 @@ SCALING_ACTION_SCALE_DOWN: ScalingAction
 PLACEMENT_POLICY_UNSPECIFIED: PlacementPolicy
 PLACEMENT_POLICY_HIERARCHICAL: PlacementPolicy
 PLACEMENT_POLICY_GLOBAL: PlacementPolicy
+THRESHOLD_SOURCE_UNSPECIFIED: ThresholdSource
+THRESHOLD_SOURCE_COMPUTED: ThresholdSource
+THRESHOLD_SOURCE_PINNED: ThresholdSource
 
 class LengthDistribution(_message.Message):
     __slots__ = ("mean_tokens", "samples_tokens")
@@ -279,3 +288,57 @@ class WhatIfExpertPlacementResponse(_message.Message):
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     placement: ExpertPlacement
     def __init__(self, placement: _Optional[_Union[ExpertPlacement, _Mapping]] = ...) -> None: ...
+
+class LocalPrefillThreshold(_message.Message):
+    __slots__ = ("deployment", "is_published", "threshold_tokens", "source", "version", "published_unix_ms", "reason", "has_computed", "computed_threshold_tokens", "inputs_json", "decided_unix_ms")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    IS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HAS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    is_published: bool
+    threshold_tokens: int
+    source: ThresholdSource
+    version: int
+    published_unix_ms: int
+    reason: str
+    has_computed: bool
+    computed_threshold_tokens: int
+    inputs_json: str
+    decided_unix_ms: int
+    def __init__(self, deployment: _Optional[str] = ..., is_published: _Optional[bool] = ..., threshold_tokens: _Optional[int] = ..., source: _Optional[_Union[ThresholdSource, str]] = ..., version: _Optional[int] = ..., published_unix_ms: _Optional[int] = ..., reason: _Optional[str] = ..., has_computed: _Optional[bool] = ..., computed_threshold_tokens: _Optional[int] = ..., inputs_json: _Optional[str] = ..., decided_unix_ms: _Optional[int] = ...) -> None: ...
+
+class GetLocalPrefillThresholdRequest(_message.Message):
+    __slots__ = ("deployment",)
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    def __init__(self, deployment: _Optional[str] = ...) -> None: ...
+
+class GetLocalPrefillThresholdResponse(_message.Message):
+    __slots__ = ("threshold",)
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    threshold: LocalPrefillThreshold
+    def __init__(self, threshold: _Optional[_Union[LocalPrefillThreshold, _Mapping]] = ...) -> None: ...
+
+class SetLocalPrefillThresholdRequest(_message.Message):
+    __slots__ = ("deployment", "is_pinned", "pin_threshold_tokens")
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    IS_PINNED_FIELD_NUMBER: _ClassVar[int]
+    PIN_THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    deployment: str
+    is_pinned: bool
+    pin_threshold_tokens: int
+    def __init__(self, deployment: _Optional[str] = ..., is_pinned: _Optional[bool] = ..., pin_threshold_tokens: _Optional[int] = ...) -> None: ...
+
+class SetLocalPrefillThresholdResponse(_message.Message):
+    __slots__ = ("threshold",)
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    threshold: LocalPrefillThreshold
+    def __init__(self, threshold: _Optional[_Union[LocalPrefillThreshold, _Mapping]] = ...) -> None: ...

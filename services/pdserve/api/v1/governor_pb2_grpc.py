@@ -70,6 +70,16 @@ class CapacityGovernorServiceStub:
                 request_serializer=pdserve_dot_api_dot_v1_dot_governor__pb2.WhatIfExpertPlacementRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_v1_dot_governor__pb2.WhatIfExpertPlacementResponse.FromString,
                 _registered_method=True)
+        self.GetLocalPrefillThreshold = channel.unary_unary(
+                '/pdserve.api.v1.CapacityGovernorService/GetLocalPrefillThreshold',
+                request_serializer=pdserve_dot_api_dot_v1_dot_governor__pb2.GetLocalPrefillThresholdRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_v1_dot_governor__pb2.GetLocalPrefillThresholdResponse.FromString,
+                _registered_method=True)
+        self.SetLocalPrefillThreshold = channel.unary_unary(
+                '/pdserve.api.v1.CapacityGovernorService/SetLocalPrefillThreshold',
+                request_serializer=pdserve_dot_api_dot_v1_dot_governor__pb2.SetLocalPrefillThresholdRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_v1_dot_governor__pb2.SetLocalPrefillThresholdResponse.FromString,
+                _registered_method=True)
 
 
 class CapacityGovernorServiceServicer:
@@ -125,6 +135,20 @@ class CapacityGovernorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLocalPrefillThreshold(self, request, context):
+        """The local-prefill threshold the routers apply, its source and the latest decision.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetLocalPrefillThreshold(self, request, context):
+        """Operator: pin the local-prefill threshold of a deployment, or unpin it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CapacityGovernorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +186,16 @@ def add_CapacityGovernorServiceServicer_to_server(servicer, server):
                     servicer.WhatIfExpertPlacement,
                     request_deserializer=pdserve_dot_api_dot_v1_dot_governor__pb2.WhatIfExpertPlacementRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_v1_dot_governor__pb2.WhatIfExpertPlacementResponse.SerializeToString,
+            ),
+            'GetLocalPrefillThreshold': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLocalPrefillThreshold,
+                    request_deserializer=pdserve_dot_api_dot_v1_dot_governor__pb2.GetLocalPrefillThresholdRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_v1_dot_governor__pb2.GetLocalPrefillThresholdResponse.SerializeToString,
+            ),
+            'SetLocalPrefillThreshold': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLocalPrefillThreshold,
+                    request_deserializer=pdserve_dot_api_dot_v1_dot_governor__pb2.SetLocalPrefillThresholdRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_v1_dot_governor__pb2.SetLocalPrefillThresholdResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +388,60 @@ class CapacityGovernorService:
             '/pdserve.api.v1.CapacityGovernorService/WhatIfExpertPlacement',
             pdserve_dot_api_dot_v1_dot_governor__pb2.WhatIfExpertPlacementRequest.SerializeToString,
             pdserve_dot_api_dot_v1_dot_governor__pb2.WhatIfExpertPlacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLocalPrefillThreshold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.api.v1.CapacityGovernorService/GetLocalPrefillThreshold',
+            pdserve_dot_api_dot_v1_dot_governor__pb2.GetLocalPrefillThresholdRequest.SerializeToString,
+            pdserve_dot_api_dot_v1_dot_governor__pb2.GetLocalPrefillThresholdResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLocalPrefillThreshold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.api.v1.CapacityGovernorService/SetLocalPrefillThreshold',
+            pdserve_dot_api_dot_v1_dot_governor__pb2.SetLocalPrefillThresholdRequest.SerializeToString,
+            pdserve_dot_api_dot_v1_dot_governor__pb2.SetLocalPrefillThresholdResponse.FromString,
             options,
             channel_credentials,
             insecure,

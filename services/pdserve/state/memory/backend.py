@@ -1,4 +1,4 @@
-"""The in-process ``StateBackend``: the five memory stores, one lock shared by the stores whose
+"""The in-process ``StateBackend``: the six memory stores, one lock shared by the stores whose
 calls must be atomic with respect to each other."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import asyncio
 from pdserve.common.types import Clock
 from pdserve.state.memory.events import MemoryPoolEventStream
 from pdserve.state.memory.targets import MemoryTargetStore
+from pdserve.state.memory.thresholds import MemoryThresholdStore
 from pdserve.state.memory.tickets import MemoryTicketLedger
 from pdserve.state.memory.tokenizers import MemoryTokenizerStore
 from pdserve.state.memory.workers import MemoryWorkerStore
@@ -25,6 +26,7 @@ class MemoryStateBackend:
         self.events = MemoryPoolEventStream(options)
         self.targets = MemoryTargetStore()
         self.tokenizers = MemoryTokenizerStore(clock)
+        self.thresholds = MemoryThresholdStore(clock)
 
     async def ping(self) -> bool:
         return True

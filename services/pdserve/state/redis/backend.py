@@ -1,4 +1,4 @@
-"""The Redis ``StateBackend``: the five Redis stores over one client, key prefix and script set."""
+"""The Redis ``StateBackend``: the six Redis stores over one client, key prefix and script set."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pdserve.state.redis.calls import LuaScripts
 from pdserve.state.redis.events import RedisPoolEventStream
 from pdserve.state.redis.keys import RedisKeys
 from pdserve.state.redis.targets import RedisTargetStore
+from pdserve.state.redis.thresholds import RedisThresholdStore
 from pdserve.state.redis.tickets import RedisTicketLedger
 from pdserve.state.redis.tokenizers import RedisTokenizerStore
 from pdserve.state.redis.workers import RedisWorkerStore
@@ -35,6 +36,7 @@ class RedisStateBackend:
         self.events = RedisPoolEventStream(client, scripts, self.keys, options)
         self.targets = RedisTargetStore(client, self.keys)
         self.tokenizers = RedisTokenizerStore(client, scripts, self.keys, clock)
+        self.thresholds = RedisThresholdStore(client, scripts, self.keys, clock)
 
     @classmethod
     def from_url(

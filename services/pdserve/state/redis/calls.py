@@ -66,7 +66,7 @@ class LuaScripts:
         "drop_worker", "reconcile",
     )
     _PLAIN = ("worker_heartbeat", "worker_set_state", "events_head", "events_publish",
-              "tokenizer_touch")
+              "tokenizer_touch", "threshold_publish")
 
     def __init__(self, client: aioredis.Redis) -> None:
         lib = _lua("_lib.lua")

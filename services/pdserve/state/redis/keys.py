@@ -18,6 +18,8 @@ scripts run unchanged on Redis Cluster::
     <p>:events:stream:{d:D}     stream of D's pool events, ids "<seq>-0"
     <p>:target:D:R              str   target pool size
     <p>:tokenizer:bundle:S      hash  tokenizer bundle with digest S, PEXPIRE'd by touch
+    <p>:threshold:published     hash  local-prefill threshold in force per deployment
+                                      ('t:D'), publication count ('v:D')
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class RedisKeys:
 
     def target(self, deployment: str, role: WorkerRole | str) -> str:
         return f"{self.prefix}:target:{deployment}:{role}"
+
+    def thresholds(self) -> str:
+        return f"{self.prefix}:threshold:published"
 
     def tokenizer_bundle(self, sha256: str) -> str:
         return f"{self.prefix}:tokenizer:bundle:{sha256}"
