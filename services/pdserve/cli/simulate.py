@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-70b", help="catalog model")
     parser.add_argument("--gpu", default="h100-sxm-80gb", help="catalog GPU")
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel GPUs per instance")
+    parser.add_argument("--prefill-tp", type=int, default=None,
+                        help="tensor-parallel GPUs per prefill instance (default: --tp)")
     parser.add_argument("--num-prefill", type=int, default=None, help="prefill instances")
     parser.add_argument("--num-decode", type=int, default=None, help="decode instances")
     parser.add_argument("--num-instances", type=int, default=16,
@@ -130,15 +132,19 @@ def run(args: argparse.Namespace) -> int:
     config = SimConfig(
         ClusterSpec(num_prefill, num_decode, model=args.model, gpu=args.gpu, tp_size=args.tp,
                     block_size_tokens=args.block_size, max_batch_size=args.max_batch_size,
-                    prefill_batch_tokens=args.prefill_batch_tokens),
+                    prefill_batch_tokens=args.prefill_batch_tokens,
+                    prefill_tp_size=args.prefill_tp or 0),
         routing=routing, slo=SloSpec(args.slo_ttft_ms, args.slo_tpot_ms),
         max_queued_requests=args.max_queued,
         failures=tuple(Failure.parse(text) for text in args.fail_at),
         cold_start_s=args.cold_start_s, scaling_interval_s=args.scaling_interval_s,
     )
     policy = autoscaler_for(config.cluster, args.slo_tpot_ms / 1000) if args.autoscale else None
-    print(f"cluster: {num_prefill} prefill + {num_decode} decode x {args.model} TP{args.tp} on "
-          f"{args.gpu} = {(num_prefill + num_decode) * args.tp} GPUs{split_note}")
+    prefill_tp = config.cluster.prefill_tp
+    tp_note = (f"TP{args.tp}" if prefill_tp == args.tp
+               else f"prefill TP{prefill_tp}, decode TP{args.tp}")
+    print(f"cluster: {num_prefill} prefill + {num_decode} decode x {args.model} {tp_note} on "
+          f"{args.gpu} = {num_prefill * prefill_tp + num_decode * args.tp} GPUs{split_note}")
     print(f"trace: {Path(args.trace).name}: {trace.num_requests:,} requests over "
           f"{trace.duration_s:,.0f} s ({trace.mean_rate_per_s:,.2f} req/s; time x"
           f"{args.time_scale:g}, rate x{args.rate_scale:g}); mean prompt "
@@ -156,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                                         for (a, b), n in result.ticket_transitions.items()},
                     utilisation=result.extra)
     if args.autoscale:
-        document["autoscale"] = _autoscale_report(result, num_prefill, num_decode, args.tp)
+        document["autoscale"] = _autoscale_report(result, num_prefill, num_decode)
     (out / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
     written = [out / "summary.json"]
     if not args.no_plot:
@@ -171,8 +177,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _autoscale_report(result: SimResult, num_prefill: int, num_decode: int,
-                      tp_size: int) -> dict[str, object]:
+def _autoscale_report(result: SimResult, num_prefill: int, num_decode: int) -> dict[str, object]:
     """Prints what the autoscaler did and returns it for summary.json: its scale-ups, peak
     pools, and GPU-hours against the starting pools held for the whole run."""
     from pdserve.sim.autoscale import scale_ups
@@ -180,7 +185,9 @@ def _autoscale_report(result: SimResult, num_prefill: int, num_decode: int,
     ups = scale_ups(result)
     peak_prefill = max([num_prefill, *(r.num_prefill for r in result.scaling)])
     peak_decode = max([num_decode, *(r.num_decode for r in result.scaling)])
-    static_gpu_hours = (num_prefill + num_decode) * tp_size * result.end_s / 3600
+    cluster = result.config.cluster
+    static_gpu_hours = ((num_prefill * cluster.prefill_tp + num_decode * cluster.tp_size)
+                        * result.end_s / 3600)
     first = f"first at {ups[0].time_s:,.0f} s" if ups else "none"
     print(f"\nautoscaler (live policy, cold start {result.config.cold_start_s:g} s, every "
           f"{result.config.scaling_interval_s:g} s): {len(result.scaling)} decisions, "

@@ -25,9 +25,9 @@ from pdserve.sim.result import SimResult
 
 
 def profile_for(cluster: ClusterSpec) -> InstanceProfile:
-    """The capacity profile of the cluster's instances (both pools at ``cluster.tp_size``)."""
+    """The capacity profile of the cluster's instances (each pool at its own TP)."""
     return InstanceProfile.from_catalog(
-        cluster.model, cluster.gpu, prefill_tp_size=cluster.tp_size,
+        cluster.model, cluster.gpu, prefill_tp_size=cluster.prefill_tp,
         decode_tp_size=cluster.tp_size, block_size_tokens=cluster.block_size_tokens,
         max_batch_size=cluster.max_batch_size,
         gpu_memory_utilization=cluster.gpu_memory_utilization)

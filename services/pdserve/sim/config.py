@@ -12,7 +12,8 @@ from pdserve.router.policy import RoutingConfig
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
-    """One deployment: ``num_prefill`` + ``num_decode`` instances of ``tp_size`` GPUs each.
+    """One deployment: ``num_prefill`` + ``num_decode`` instances of ``tp_size`` GPUs each
+    (prefill instances of ``prefill_tp_size`` GPUs when that is set: 0 = ``tp_size``).
 
     ``max_batch_size``: decode batch slots per instance (the worker agent's ``max_batch_size``);
     sequences beyond it wait, holding their KV reservation. ``prefill_batch_tokens``: a prefill
@@ -38,16 +39,25 @@ class ClusterSpec:
     prefill_batch_tokens: int = 8192
     prefix_cache_blocks: int = 0
     chunked_prefill_tokens: int = 0
+    prefill_tp_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0:
             raise InvalidArgumentError("instance counts must be >= 0", field="num_prefill")
+        if self.tp_size < 1 or self.prefill_tp_size < 0:
+            raise InvalidArgumentError("tp_size must be >= 1 and prefill_tp_size >= 0",
+                                       field="prefill_tp_size")
         if self.chunked_prefill_tokens < 0:
             raise InvalidArgumentError("chunked_prefill_tokens must be >= 0",
                                        field="chunked_prefill_tokens")
         if self.max_batch_size < 1 or self.prefill_batch_tokens < 1:
             raise InvalidArgumentError("max_batch_size and prefill_batch_tokens must be >= 1",
                                        field="max_batch_size")
+
+    @property
+    def prefill_tp(self) -> int:
+        """GPUs per prefill instance."""
+        return self.prefill_tp_size or self.tp_size
 
 
 def colocated_cluster(num_instances: int, token_budget: int, **kwargs: Any) -> ClusterSpec:

@@ -24,6 +24,7 @@ from pdserve.router.admission import (
     AdmissionRequest,
 )
 from pdserve.router.prediction import WorkerSnapshot, prior_tokens_per_s
+from pdserve.sim.config import ClusterSpec
 from pdserve.sim.state import READY, AnyInstance, DecodeInstance, PrefillInstance, SimRequest
 
 
@@ -31,10 +32,10 @@ class LiveAdmission:
     """``AdmissionPolicy`` driven by simulated requests; counts outcomes and keeps each shed
     request's outcome by trace row (``shed``)."""
 
-    def __init__(self, config: AdmissionConfig, model: str, gpu: str, tp_size: int,
+    def __init__(self, config: AdmissionConfig, cluster: ClusterSpec,
                  tenants: np.ndarray | None) -> None:
         self.policy = AdmissionPolicy(config)
-        self._model = (model, gpu, tp_size)
+        self._cluster = cluster
         self._tenants = tenants
         self.outcomes: Counter[str] = Counter()
         self.shed: dict[int, AdmissionOutcome] = {}
@@ -52,14 +53,16 @@ class LiveAdmission:
                 self.policy.estimated_queued_tokens(self._snapshot(pre, req.prompt, now), now)
 
     def _snapshot(self, inst: AnyInstance, num_tokens: int, now: float) -> WorkerSnapshot:
+        cluster = self._cluster
         if isinstance(inst, DecodeInstance):
             queued = sum(req.prompt - req.prefilled for req, attempt in inst.local
                          if req.attempt == attempt)
+            tp_size = cluster.tp_size
         else:
             queued = inst.queued_tokens
-        model, gpu, tp_size = self._model
-        return WorkerSnapshot(inst.wid, queued, now,
-                              prior_tokens_per_s(model, gpu, tp_size, num_tokens))
+            tp_size = cluster.prefill_tp
+        return WorkerSnapshot(inst.wid, queued, now, prior_tokens_per_s(
+            cluster.model, cluster.gpu, tp_size, num_tokens))
 
     def admit(self, req: SimRequest, inst: AnyInstance, now: float) -> bool:
         """The live decision for ``req`` if it were prefilled on ``inst`` now; a shed request is

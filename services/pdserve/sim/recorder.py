@@ -155,7 +155,7 @@ class Recorder:
                       for name, values in self._timeline.items()},
             instance_events=tuple(self._events), scaling=tuple(self._scaling),
             ticket_transitions=transitions,
-            gpu_hours=usage.gpu_s * self.model.tp_size / 3600.0,
+            gpu_hours=usage.gpu_s / 3600.0,
             end_s=end_s, num_events=num_events,
             num_free_blocks_at_end=sum(d.free for d in serving),
             num_total_blocks_at_end=sum(d.total for d in serving),

@@ -97,7 +97,11 @@ class Simulator:
     """One run: ``Simulator(trace, config, policy).run()`` -> ``SimResult``.
 
     ``policy`` is any ``ScalingPolicy`` (None: the pools keep their size). ``instance``
-    overrides the catalog-derived instance model (tests).
+    overrides the catalog-derived instance model (tests; of both pools unless
+    ``ClusterSpec.prefill_tp_size`` differs from ``tp_size``, when prefill instances get the
+    catalog's model at their TP). ``model`` is the decode instances' model (their KV, decode
+    steps and local prefills), ``prefill_model`` the prefill instances' (prefill batches, the KV
+    transfer from their NICs, their prefix cache's size).
     """
 
     def __init__(self, trace: Trace, config: SimConfig, policy: ScalingPolicy | None = None, *,
@@ -112,14 +116,20 @@ class Simulator:
             cluster.model, cluster.gpu, cluster.tp_size,
             block_size_tokens=cluster.block_size_tokens,
             gpu_memory_utilization=cluster.gpu_memory_utilization)
+        self.prefill_model = self.model if cluster.prefill_tp == cluster.tp_size else (
+            instance_model(cluster.model, cluster.gpu, cluster.prefill_tp,
+                           block_size_tokens=cluster.block_size_tokens,
+                           gpu_memory_utilization=cluster.gpu_memory_utilization))
         if self.model.num_blocks > MAX_FREE_BLOCKS:
             raise CapacityError(
                 f"instances with over {MAX_FREE_BLOCKS} KV blocks are not supported")
         self._block_size = self.model.block_size_tokens
-        self._prefill_s = self.model.perf.prefill_time_s  # hot path: bound once
+        # Hot path: bound once.
+        self._prefill_s = self.prefill_model.perf.prefill_time_s
+        self._local_prefill_s = self.model.perf.prefill_time_s
         self._timing = DecodeTiming(self.model)
         self._chunk_budget = cluster.chunked_prefill_tokens
-        self._lru_cap = cluster.prefix_cache_blocks or self.model.num_blocks
+        self._lru_cap = cluster.prefix_cache_blocks or self.prefill_model.num_blocks
         self._has_hashes = trace.has_prefix_hashes
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -129,7 +139,7 @@ class Simulator:
         self._blocks_freed = False
         self._arrivals = TraceArrivals(trace, config.routing, self._block_size, config.max_tokens)
         self._live = None if config.admission is None else LiveAdmission(
-            config.admission, cluster.model, cluster.gpu, cluster.tp_size, trace.tenant)
+            config.admission, cluster, trace.tenant)
         self._admission = AdmissionQueue(
             0 if self._live is not None else config.max_queued_requests, self._try_route)
         self._usage = usage = Usage()
@@ -357,7 +367,7 @@ class Simulator:
         pre.batch = []
         self._update_prefill(pre)
         if landing:
-            exposed = self.model.exposed_transfer_s(num_tokens, duration)
+            exposed = self.prefill_model.exposed_transfer_s(num_tokens, duration)
             for req, _ in landing:
                 req.transfer_s = exposed
             self._push(self.now + exposed, EV_KV_LANDED, landing)
@@ -440,7 +450,7 @@ class Simulator:
                 dec.step_kind == STEP_DECODE or not (dec.n_batch or dec.waiting)):
             batch, lengths = take_local_batch(
                 dec, self.config.cluster.prefill_batch_tokens)
-            duration = self._prefill_s(lengths)
+            duration = self._local_prefill_s(lengths)
             dec.local_batch = batch
             dec.step_kind = STEP_LOCAL
             dec.step_s = duration
