@@ -15,8 +15,8 @@ SLOs (at 90% attainment, DistServe's goodput definition), a tight pair and a loo
   reading-speed stream).
 
 Steps:
-1. planner (analytic) per TP size with both pools at that TP (the simulator runs one TP for both
-   pools), cheapest wins; the mixed-TP plan is shown for reference;
+1. planner (analytic) per TP size with both pools at that TP, cheapest wins (the P:D sweep is of
+   its shape); the mixed-TP plan (each pool its own TP) is simulated too;
 2. planner's predicted p90 TTFT/TPOT and attainment vs the simulator on the same demand;
 3. sweep of the P:D splits of the plan's GPUs, goodput of each by the simulator (bisection on
    the rate) where the analytic model puts it within ``SIM_SWEEP_FRACTION`` of the best split
@@ -37,7 +37,8 @@ Analytic model if ``pdserve.sim`` is missing.
 
 Last line: JSON with goodput_per_gpu_disagg (simulator-measured when available),
 goodput_per_gpu_colocated (simulated, ``colocated_evaluated_by``), pd_ratio_planner,
-pd_ratio_best and supporting figures; ``*_loose`` keys for the looser pair.
+pd_ratio_best and supporting figures (``goodput_per_gpu_disagg_mixed_tp``: the mixed-TP plan,
+simulated); ``*_loose`` keys for the looser pair.
 """
 
 from __future__ import annotations
@@ -121,9 +122,9 @@ class SimEvaluator:
                                         max_batch_size=shape.max_batch_size)
             routing = RoutingConfig()
         else:
-            assert config.prefill.tp_size == config.decode.tp_size
             cluster = cluster_cls(config.num_prefill, config.num_decode, model=MODEL, gpu=GPU,
-                                  tp_size=config.decode.tp_size, prefill_batch_tokens=1)
+                                  tp_size=config.decode.tp_size,
+                                  prefill_tp_size=config.prefill.tp_size, prefill_batch_tokens=1)
             routing = RoutingConfig(
                 local_prefill_threshold_tokens=config.local_prefill_threshold_tokens)
         sim_config = config_cls(cluster=cluster, routing=routing,
@@ -258,8 +259,8 @@ def print_colocated(search: ColocatedSearch, num_gpus: int, slo: Slo) -> None:
 
 def cheapest_plan(demand: Demand, slo: Slo, shapes: dict[int, InstanceShape]
                   ) -> tuple[int, dict[int, pl.Plan]]:
-    """The planner per TP size with both pools at that TP (the simulator runs one TP for both
-    pools); the TP of the cheapest plan and every plan."""
+    """The planner per TP size with both pools at that TP; the TP of the cheapest plan and
+    every plan."""
     plans = {tp: pl.plan(demand, slo, (s,), (s,)) for tp, s in shapes.items()}
     tp_plan = min(plans, key=lambda tp: (plans[tp].config.num_gpus, -plans[tp].goodput_per_gpu))
     return tp_plan, plans
@@ -311,11 +312,14 @@ def main() -> int:
         evaluator = None
         print("\nNOTE: pdserve.sim is not importable: the sweep uses the analytic model")
     check_rows = []
-    disagg_sim = None
+    disagg_sim = mixed_sim = None
     if evaluator is not None:
         rate_sim = max_rate_near(lambda r: evaluator.attainment(plan.config, r),
                                  plan.goodput_rate_per_s, SLO.attainment_target)
         disagg_sim = rate_sim / num_gpus
+        mixed_sim = max_rate_near(lambda r: evaluator.attainment(mixed.config, r),
+                                  mixed.goodput_rate_per_s,
+                                  SLO.attainment_target) / mixed.config.num_gpus
         for rate in (args.rate, plan.goodput_rate_per_s):
             predicted = predict(plan.config, demand.with_rate(rate), SLO)
             result = evaluator.run(plan.config, rate)
@@ -396,8 +400,10 @@ def main() -> int:
          f"{disagg / colocated:.2f}x"],
         ["tight", f"disaggregated, planner (TP{tp_plan}), analytic",
          f"{plan.goodput_per_gpu:.3f}", f"{plan.goodput_per_gpu / colocated:.2f}x"],
-        ["tight", "disaggregated, planner (mixed TP), analytic", f"{mixed.goodput_per_gpu:.3f}",
-         f"{mixed.goodput_per_gpu / colocated:.2f}x"],
+        ["tight", f"disaggregated, planner ({mixed_label}), analytic",
+         f"{mixed.goodput_per_gpu:.3f}", f"{mixed.goodput_per_gpu / colocated:.2f}x"],
+        *([["tight", f"disaggregated, planner ({mixed_label}), simulator", f"{mixed_sim:.3f}",
+            f"{mixed_sim / colocated:.2f}x"]] if mixed_sim is not None else []),
         ["tight", f"colocated {colocated_label(search.best.config)}, {search.evaluated_by}",
          f"{colocated:.3f}", "1.00x"],
         ["tight", f"colocated TP{best_co_analytic.config.shape.tp_size} budget "
@@ -439,6 +445,11 @@ def main() -> int:
         "goodput_ratio": round(disagg / colocated, 3),
         "goodput_per_gpu_disagg_analytic": round(plan.goodput_per_gpu, 4),
         "goodput_per_gpu_disagg_mixed_tp_analytic": round(mixed.goodput_per_gpu, 4),
+        "goodput_per_gpu_disagg_mixed_tp": round(
+            mixed_sim if mixed_sim is not None else mixed.goodput_per_gpu, 4),
+        "goodput_ratio_mixed_tp": round(
+            (mixed_sim if mixed_sim is not None else mixed.goodput_per_gpu) / colocated, 3),
+        "mixed_tp_plan": mixed_label,
         "evaluated_by": evaluated_by,
         "colocated_evaluated_by": search.evaluated_by,
         "goodput_per_gpu_colocated_analytic": round(best_co_analytic.goodput_per_gpu, 4),
