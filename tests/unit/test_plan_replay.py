@@ -110,8 +110,28 @@ def test_replay_misses_are_blamed_on_the_pool_that_caused_them() -> None:
     assert num_prefill_misses > num_decode_misses
     assert num_prefill_misses + num_decode_misses == round(
         result.num_requests * (1.0 - result.attainment()))
-    with pytest.raises(InvalidArgumentError, match="same TP"):
-        pc.check_plan(demand, SLO, [SHAPE], [dataclasses.replace(SHAPE, tp_size=2)], trace)
+
+
+def test_a_mixed_tp_plan_is_replayed_with_each_pool_at_its_own_tp() -> None:
+    trace = _bursty_trace(20.0, duration_s=120.0)
+    demand = pc.demand_from_trace(trace)
+    tp2 = dataclasses.replace(SHAPE, tp_size=2)
+    # A plan with TP1 prefill and TP2 decode is checked by replay (it was refused when the
+    # simulator ran one TP for both pools).
+    checked = pc.check_plan(demand, SLO, [SHAPE], [tp2], trace, max_replays=1)
+    mixed = checked.plan.config
+    assert (mixed.prefill.tp_size, mixed.decode.tp_size) == (1, 2)
+    result = pc.replay_config(mixed, trace, SLO)
+    assert (result.config.cluster.prefill_tp, result.config.cluster.tp_size) == (1, 2)
+    assert result.attainment() == checked.replayed_attainment
+    # GPU-hours count each pool's instances at its own TP (all serve the whole run here).
+    assert result.gpu_hours == pytest.approx(
+        (mixed.num_prefill * 1 + mixed.num_decode * 2) * result.end_s / 3600)
+    # Prefill batches are timed at the prefill pool's TP: TP2 prefill computes faster.
+    both_tp2 = pc.replay_config(dataclasses.replace(mixed, prefill=tp2), trace, SLO)
+    remote = ~result.is_local_prefill & ~both_tp2.is_local_prefill
+    assert remote.mean() > 0.5
+    assert np.median(both_tp2.compute_s[remote]) < 0.8 * np.median(result.compute_s[remote])
 
 
 def _azure_csv(path: Path, trace: Trace) -> Path:

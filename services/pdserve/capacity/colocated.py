@@ -44,6 +44,7 @@ point -- and costs its full compute once the step is compute-bound.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,6 +122,12 @@ class _StepTerms:
                    comm_bytes_per_token=one.comm_bytes, comm_steps=one.comm_steps)
 
 
+@functools.lru_cache(maxsize=64)
+def _step_terms(perf: PerfModel) -> _StepTerms:
+    """``_StepTerms.of``, cached: the simulator costs a mixed step per chunk."""
+    return _StepTerms.of(perf)
+
+
 def mixed_step_time_s(perf: PerfModel, batch_size: float, context_tokens: float,
                       chunk_tokens: float, chunk_offset_tokens: float = 0.0) -> float:
     """Seconds for one step of ``batch_size`` decode tokens (reading ``context_tokens`` of KV in
@@ -128,7 +135,7 @@ def mixed_step_time_s(perf: PerfModel, batch_size: float, context_tokens: float,
     already-computed tokens of its prompt. The module docstring gives the formula."""
     if chunk_tokens <= 0:
         return perf.decode_step_time_s(batch_size, context_tokens)
-    terms = _StepTerms.of(perf)
+    terms = _step_terms(perf)
     eff = perf.efficiency
     peak = perf.peak_flops_per_s
     decode = perf.decode_work(batch_size, context_tokens)

@@ -215,7 +215,7 @@ def plan(demand: Demand, slo: Slo, prefill_shapes: Sequence[InstanceShape],
          is_same_tp: bool = False) -> Plan:
     """The configuration with the fewest GPUs whose predicted attainment at ``demand`` reaches
     ``slo.percentile`` (ties: higher attainment), over every pair of shapes given (only pairs
-    of equal TP with ``is_same_tp``: the simulator replays one TP for both pools).
+    of equal TP with ``is_same_tp``).
 
     Raises ``InvalidArgumentError`` for an unusable shape, or when no configuration within
     ``max_gpus`` GPUs meets the SLO (e.g. a TPOT bound below the unloaded decode step).

@@ -2,7 +2,9 @@
 
 Prints TTFT/TPOT percentiles, SLO attainment with the count of misses per reason and GPU-hours;
 writes ``summary.json`` and ``timeline.png`` (demand, instances, attainment over time) to
-``--out``. Progress goes to stderr on long runs.
+``--out``. Progress goes to stderr on long runs. ``--autoscale`` runs the governor's autoscaler
+(``pdserve.sim.autoscale``) inside the simulation, new instances serving after
+``--cold-start-s``, and reports its scale-ups and GPU-hours.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.sim.result import SimResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-70b", help="catalog model")
     parser.add_argument("--gpu", default="h100-sxm-80gb", help="catalog GPU")
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel GPUs per instance")
+    parser.add_argument("--prefill-tp", type=int, default=None,
+                        help="tensor-parallel GPUs per prefill instance (default: --tp)")
     parser.add_argument("--num-prefill", type=int, default=None, help="prefill instances")
     parser.add_argument("--num-decode", type=int, default=None, help="decode instances")
     parser.add_argument("--num-instances", type=int, default=16,
@@ -52,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--max-queued", type=int, default=4096,
                         help="router admission queue bound; beyond it requests are rejected")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="run the live autoscaler (the governor's policy) every "
+                             "--scaling-interval-s; the pools above are the starting ones")
+    parser.add_argument("--cold-start-s", type=float, default=600.0,
+                        help="with --autoscale: seconds from launching an instance to serving")
+    parser.add_argument("--scaling-interval-s", type=float, default=60.0,
+                        help="with --autoscale: seconds between scaling decisions")
     parser.add_argument(
         "--out", default="sim-out", help="directory for summary.json and timeline.png"
     )
@@ -82,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdserve.router.policy import RoutingConfig
     from pdserve.sim import ClusterSpec, Failure, SimConfig, SloSpec, simulate
+    from pdserve.sim.autoscale import autoscaler_for
     from pdserve.sim.engine_model import balance_pools, instance_model
     from pdserve.sim.plots import PlotUnavailableError, plot_timeline
     from pdserve.sim.report import format_summary, summarize
@@ -116,19 +132,25 @@ def run(args: argparse.Namespace) -> int:
     config = SimConfig(
         ClusterSpec(num_prefill, num_decode, model=args.model, gpu=args.gpu, tp_size=args.tp,
                     block_size_tokens=args.block_size, max_batch_size=args.max_batch_size,
-                    prefill_batch_tokens=args.prefill_batch_tokens),
+                    prefill_batch_tokens=args.prefill_batch_tokens,
+                    prefill_tp_size=args.prefill_tp or 0),
         routing=routing, slo=SloSpec(args.slo_ttft_ms, args.slo_tpot_ms),
         max_queued_requests=args.max_queued,
         failures=tuple(Failure.parse(text) for text in args.fail_at),
+        cold_start_s=args.cold_start_s, scaling_interval_s=args.scaling_interval_s,
     )
-    print(f"cluster: {num_prefill} prefill + {num_decode} decode x {args.model} TP{args.tp} on "
-          f"{args.gpu} = {(num_prefill + num_decode) * args.tp} GPUs{split_note}")
+    policy = autoscaler_for(config.cluster, args.slo_tpot_ms / 1000) if args.autoscale else None
+    prefill_tp = config.cluster.prefill_tp
+    tp_note = (f"TP{args.tp}" if prefill_tp == args.tp
+               else f"prefill TP{prefill_tp}, decode TP{args.tp}")
+    print(f"cluster: {num_prefill} prefill + {num_decode} decode x {args.model} {tp_note} on "
+          f"{args.gpu} = {num_prefill * prefill_tp + num_decode * args.tp} GPUs{split_note}")
     print(f"trace: {Path(args.trace).name}: {trace.num_requests:,} requests over "
           f"{trace.duration_s:,.0f} s ({trace.mean_rate_per_s:,.2f} req/s; time x"
           f"{args.time_scale:g}, rate x{args.rate_scale:g}); mean prompt "
           f"{trace.prompt_tokens.mean():,.0f}, output {trace.output_tokens.mean():,.0f} tokens")
     sys.stdout.flush()
-    result = simulate(trace, config, instance=instance, progress=_Progress())
+    result = simulate(trace, config, policy, instance=instance, progress=_Progress())
     summary = summarize(result)
     print()
     print(format_summary(summary))
@@ -139,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
                     ticket_transitions={f"{a}->{b}": n
                                         for (a, b), n in result.ticket_transitions.items()},
                     utilisation=result.extra)
+    if args.autoscale:
+        document["autoscale"] = _autoscale_report(result, num_prefill, num_decode)
     (out / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
     written = [out / "summary.json"]
     if not args.no_plot:
@@ -151,3 +175,35 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _autoscale_report(result: SimResult, num_prefill: int, num_decode: int) -> dict[str, object]:
+    """Prints what the autoscaler did and returns it for summary.json: its scale-ups, peak
+    pools, and GPU-hours against the starting pools held for the whole run."""
+    from pdserve.sim.autoscale import scale_ups
+
+    ups = scale_ups(result)
+    peak_prefill = max([num_prefill, *(r.num_prefill for r in result.scaling)])
+    peak_decode = max([num_decode, *(r.num_decode for r in result.scaling)])
+    cluster = result.config.cluster
+    static_gpu_hours = ((num_prefill * cluster.prefill_tp + num_decode * cluster.tp_size)
+                        * result.end_s / 3600)
+    first = f"first at {ups[0].time_s:,.0f} s" if ups else "none"
+    print(f"\nautoscaler (live policy, cold start {result.config.cold_start_s:g} s, every "
+          f"{result.config.scaling_interval_s:g} s): {len(result.scaling)} decisions, "
+          f"{len(ups)} scale-ups ({first}); peak {peak_prefill}P + {peak_decode}D; "
+          f"GPU-hours {result.gpu_hours:,.2f} (the starting pools held throughout: "
+          f"{static_gpu_hours:,.2f})")
+    return {
+        "cold_start_s": result.config.cold_start_s,
+        "scaling_interval_s": result.config.scaling_interval_s,
+        "num_decisions": len(result.scaling),
+        "scale_ups": [{"time_s": u.time_s, "num_prefill": u.num_prefill,
+                       "num_decode": u.num_decode} for u in ups],
+        "peak_prefill": peak_prefill,
+        "peak_decode": peak_decode,
+        "gpu_hours": result.gpu_hours,
+        "gpu_hours_starting_pools": static_gpu_hours,
+        "mean_prompt_tokens": float(result.prompt_tokens.mean()),
+        "mean_output_tokens": float(result.output_tokens.mean()),
+    }

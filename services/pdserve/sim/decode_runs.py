@@ -7,7 +7,8 @@ context)``. A sequence's finishing step is known when it joins the batch (``join
 context tokens than the one before), ``finish_run`` applies it, and ``cut_run`` ends it early at
 a step boundary when the batch must change sooner (a sequence arrives to join it, or a local
 prefill arrives). Local prefill runs as a step of its own between decode steps (the batch
-stalls for it), ``take_local_batch`` forming it.
+stalls for it), ``take_local_batch`` forming it; or, with chunked prefill, as prompt chunks
+carried by single decode steps (``take_chunks``).
 
 Functions of a ``DecodeInstance`` and the clock; the caller schedules the events they return.
 """
@@ -167,3 +168,30 @@ def take_local_batch(dec: DecodeInstance,
         lengths.append(req.prompt)
         total += req.prompt
     return batch, lengths
+
+
+def take_chunks(dec: DecodeInstance, room_tokens: int
+                ) -> tuple[list[tuple[int, int]], list[tuple[SimRequest, int]]]:
+    """The prompt chunks one chunked-prefill step carries: queued local prompts first come first
+    served, each taking what is left of it or of ``room_tokens`` (only the last may be partial,
+    as vLLM's scheduler does), stale entries dropped. Each request's ``prefilled`` advances now;
+    returns the ``(chunk_tokens, offset_tokens)`` of every chunk and the ``(request, attempt)``
+    of the prompts this step completes (taken off ``dec.local``; a partial one stays at its
+    head)."""
+    local = dec.local
+    chunks: list[tuple[int, int]] = []
+    completed: list[tuple[SimRequest, int]] = []
+    while local and room_tokens > 0:
+        req, attempt = local[0]
+        if req.attempt != attempt:
+            local.popleft()
+            continue
+        take = min(req.prompt - req.prefilled, room_tokens)
+        chunks.append((take, req.prefilled))
+        req.prefilled += take
+        room_tokens -= take
+        if req.prefilled < req.prompt:
+            break
+        local.popleft()
+        completed.append((req, attempt))
+    return chunks, completed

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.capacity.colocated import mixed_step_time_s
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.perf.catalog import get_gpu, get_model
 from pdserve.perf.kv_budget import CapacityConfig, capacity_report
@@ -70,6 +71,25 @@ class InstanceModel:
             if abs(modelled - exact) > 1e-9 * exact:
                 return None
         return base_a, slope_a, base_b, slope_b
+
+    def mixed_step_s(self, batch_size: int, context_tokens: int,
+                     chunks: Sequence[tuple[int, int]]) -> float:
+        """One chunked-prefill step: ``batch_size`` decode tokens reading ``context_tokens`` of
+        KV, plus prompt chunks ``(chunk_tokens, offset_tokens)`` (a chunk follows
+        ``offset_tokens`` already-computed tokens of its prompt), timed by the colocated mixed
+        step of ``pdserve.capacity.colocated`` (the roofline the planner's colocated baseline
+        uses). Several chunks are passed as one chunk of their total length at the offset that
+        gives the same causal-attention work (``sum c (2 o + c) == C (2 o_eq + C)``; ``o_eq`` is
+        negative for several fresh prompts, which is still exact for the FLOPs)."""
+        total = 0
+        pair_work = 0
+        for chunk_tokens, offset_tokens in chunks:
+            total += chunk_tokens
+            pair_work += chunk_tokens * (2 * offset_tokens + chunk_tokens)
+        if total == 0:
+            return self.perf.decode_step_time_s(batch_size, context_tokens)
+        offset = (pair_work / total - total) / 2.0
+        return mixed_step_time_s(self.perf, batch_size, context_tokens, total, offset)
 
     def exposed_transfer_s(self, prompt_tokens: int, compute_s: float) -> float:
         """Seconds from the end of prefill compute until the last layer's KV has landed."""

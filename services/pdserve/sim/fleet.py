@@ -36,6 +36,9 @@ class Fleet:
         self._model = model
         self._usage = usage
         self._recorder = recorder
+        cluster = config.cluster
+        self._num_gpus = {WorkerRole.PREFILL: cluster.prefill_tp,
+                          WorkerRole.DECODE: cluster.tp_size}
         self.prefills: list[PrefillInstance] = []
         self.decodes: list[DecodeInstance] = []
         self.by_id: dict[str, AnyInstance] = {}
@@ -54,6 +57,7 @@ class Fleet:
         self.shortlist.add(inst)
         self.by_id[inst.wid] = inst
         self._usage.num_alive += 1
+        self._usage.num_gpus_alive += self._num_gpus[inst.role]
         self._recorder.log(now, inst, "launched")
         return inst
 
@@ -112,6 +116,7 @@ class Fleet:
             usage.num_prefill_ready -= 1
         inst.state = state
         usage.num_alive -= 1
+        usage.num_gpus_alive -= self._num_gpus[inst.role]
         self.shortlist.update(inst)
         self._recorder.log(now, inst, event)
 

@@ -144,16 +144,17 @@ def demand_from_trace(trace: Trace, rate_per_s: float | None = None,
 
 def replay_config(config: DisaggConfig, trace: Trace, slo: Slo) -> SimResult:
     """Simulate ``config`` on ``trace`` (already at the planned rate) with the live worker
-    agent's settings. Both pools must have the same TP (the simulator runs one instance type)."""
-    if (config.prefill.model, config.prefill.gpu, config.prefill.tp_size) != (
-            config.decode.model, config.decode.gpu, config.decode.tp_size):
+    agent's settings. The pools may differ in TP (each simulated at its own), not in model or
+    GPU."""
+    if (config.prefill.model, config.prefill.gpu) != (config.decode.model, config.decode.gpu):
         raise InvalidArgumentError(
-            "a replay needs one instance shape for both pools (the simulator runs one TP); got "
-            f"prefill TP{config.prefill.tp_size} and decode TP{config.decode.tp_size}",
-            field="tp")
+            "a replay needs one model and GPU for both pools; got prefill "
+            f"{config.prefill.model} on {config.prefill.gpu} and decode {config.decode.model} "
+            f"on {config.decode.gpu}", field="gpu")
     shape = config.decode
     cluster = ClusterSpec(config.num_prefill, config.num_decode, model=shape.model,
                           gpu=shape.gpu, tp_size=shape.tp_size,
+                          prefill_tp_size=config.prefill.tp_size,
                           block_size_tokens=shape.block_size_tokens,
                           gpu_memory_utilization=shape.gpu_memory_utilization,
                           max_batch_size=shape.max_batch_size, prefill_batch_tokens=1)
@@ -209,7 +210,7 @@ def check_plan(demand: Demand, slo: Slo, prefill_shapes: Sequence[InstanceShape]
                decode_shapes: Sequence[InstanceShape], trace: Trace, *, max_gpus: int = 4096,
                max_replays: int = 12, time_budget_s: float = math.inf,
                clock: Callable[[], float] = time.monotonic) -> CheckedPlan:
-    """Plan for ``demand`` (pairs of shapes with equal TP only), then replay and grow the
+    """Plan for ``demand`` (any pair of shapes, mixed TP included), then replay and grow the
     candidate on ``trace`` (at ``demand``'s rate, see ``at_rate``) until the replay meets
     ``slo.percentile`` (module docstring). Stops early, offering the last candidate replayed
     (``is_met`` False), after ``max_replays`` replays, when growing would exceed ``max_gpus``,
@@ -217,14 +218,9 @@ def check_plan(demand: Demand, slo: Slo, prefill_shapes: Sequence[InstanceShape]
     if max_replays < 1:
         raise InvalidArgumentError(f"max_replays must be >= 1, got {max_replays}",
                                    field="max_replays")
-    if not any(p.tp_size == d.tp_size for p in prefill_shapes for d in decode_shapes):
-        raise InvalidArgumentError(
-            "a plan checked by replay needs the same TP for both pools (the simulator runs one "
-            "instance type): give TP sizes common to --prefill-tp and --decode-tp", field="tp")
     started = clock()
     model = ArrivalModel.of(demand, slo)
-    config = plan(demand, slo, prefill_shapes, decode_shapes, max_gpus=max_gpus,
-                  is_same_tp=True).config
+    config = plan(demand, slo, prefill_shapes, decode_shapes, max_gpus=max_gpus).config
     steps: list[ReplayStep] = []
     is_calibrated = not trace.has_prefix_hashes
     while True:
@@ -246,9 +242,10 @@ def check_plan(demand: Demand, slo: Slo, prefill_shapes: Sequence[InstanceShape]
             if abs(hit - demand.prefix_hit_rate) > HIT_RATE_TOLERANCE:
                 demand = demand_from_trace(trace, demand.rate_per_s, prefix_hit_rate=hit)
                 model = ArrivalModel.of(demand, slo)
-                again = plan(demand, slo, prefill_shapes, decode_shapes, max_gpus=max_gpus,
-                             is_same_tp=True).config
-                if again.decode.tp_size == config.decode.tp_size:
+                again = plan(demand, slo, prefill_shapes, decode_shapes,
+                             max_gpus=max_gpus).config
+                if (again.prefill.tp_size, again.decode.tp_size) == (
+                        config.prefill.tp_size, config.decode.tp_size):
                     again = dataclasses.replace(
                         again, num_prefill=max(again.num_prefill, config.num_prefill),
                         num_decode=max(again.num_decode, config.num_decode))

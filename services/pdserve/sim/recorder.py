@@ -5,6 +5,7 @@ events, scaling calls and the timeline samples; ``result`` turns them into a ``S
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import numpy as np
 
@@ -137,8 +138,8 @@ class Recorder:
         if unfinished:
             raise RuntimeError(f"simulation ended with {unfinished} requests unaccounted for")
         trace, config = self.trace, self.config
-        res = {name: np.frombuffer(values, dtype=np.float64).copy()
-               for name, values in self._res_f.items()}
+        res: dict[str, Any] = {name: np.frombuffer(values, dtype=np.float64).copy()
+                               for name, values in self._res_f.items()}
         res["queue_s"] = res["ttft_s"] - res["compute_s"] - res["transfer_s"]
         return SimResult(
             config=config,
@@ -154,7 +155,7 @@ class Recorder:
                       for name, values in self._timeline.items()},
             instance_events=tuple(self._events), scaling=tuple(self._scaling),
             ticket_transitions=transitions,
-            gpu_hours=usage.gpu_s * self.model.tp_size / 3600.0,
+            gpu_hours=usage.gpu_s / 3600.0,
             end_s=end_s, num_events=num_events,
             num_free_blocks_at_end=sum(d.free for d in serving),
             num_total_blocks_at_end=sum(d.total for d in serving),

@@ -85,7 +85,10 @@ class SimResult:
     ``decode_kv_used_fraction`` (reserved / serving decode blocks, time-weighted),
     ``decode_batch_slot_fraction`` and ``mean_running_per_decode`` (sequences past their
     first token per serving decode instance), ``prefill_busy_s``, ``decode_instance_s``,
-    ``prefill_instance_s`` and ``cpu_s`` (the process's CPU time for the run).
+    ``prefill_instance_s`` and ``cpu_s`` (the process's CPU time for the run); with the live
+    admission policy (``SimConfig.admission``), ``admission_<outcome>`` counts its decisions.
+    ``shed``: the outcome of each request the live admission policy refused, by trace row
+    (empty without it).
     """
 
     config: SimConfig
@@ -117,6 +120,7 @@ class SimResult:
     num_total_blocks_at_end: int
     wall_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    shed: dict[int, str] = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:

@@ -17,11 +17,17 @@ The decisions are the live services' own policy objects:
   no new work, then leave).
 
 The replay loop takes requests from an arrival source (``TraceArrivals``) and runs every event
-due before each arrival; admission is the router's queue (``AdmissionQueue``). Failures: an
-instance that fails loses its work; requests it held before their first token are retried (a
-new attempt, up to ``max_attempts``) on the remaining instances, requests past their first token
-fail. Local prefill runs on the decode instance as a step of its own, between decode steps (the
-batch stalls for it), alternating with decode steps while both have work.
+due before each arrival; admission is the live router's policy (``SimConfig.admission``:
+``pdserve.router.admission``, called through ``LiveAdmission``; no room on any decode instance
+refuses at once, as live) or, without it, the simulator's own queue (``AdmissionQueue``).
+Failures: an instance that fails loses its work; requests it held before their first token are
+retried (a new attempt, up to ``max_attempts``) on the remaining instances, requests past their
+first token fail. Local prefill runs on the decode instance as a step of its own, between decode
+steps (the batch stalls for it), alternating with decode steps while both have work; with
+chunked prefill (``ClusterSpec.chunked_prefill_tokens``) every step while prompts wait is one
+decode step that also carries prompt chunks (``InstanceModel.mixed_step_s``). A colocated
+deployment is decode instances only, with chunked prefill: the same engine model as the
+disaggregated instances.
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ from pdserve.sim.decode_runs import (
     finish_run,
     join_waiting,
     start_run,
+    take_chunks,
     take_local_batch,
 )
 from pdserve.sim.engine_model import InstanceModel, instance_model
 from pdserve.sim.fleet import Fleet
+from pdserve.sim.live_admission import LiveAdmission
 from pdserve.sim.observation import ScalingWindow
 from pdserve.sim.prefix_cache import cached_prefix, overlaps, touch_prefix
 from pdserve.sim.recorder import Recorder
@@ -67,6 +75,7 @@ from pdserve.sim.state import (
     STARTING,
     STEP_DECODE,
     STEP_LOCAL,
+    STEP_MIXED,
     TRANSFERRING,
     AnyInstance,
     DecodeInstance,
@@ -88,7 +97,11 @@ class Simulator:
     """One run: ``Simulator(trace, config, policy).run()`` -> ``SimResult``.
 
     ``policy`` is any ``ScalingPolicy`` (None: the pools keep their size). ``instance``
-    overrides the catalog-derived instance model (tests).
+    overrides the catalog-derived instance model (tests; of both pools unless
+    ``ClusterSpec.prefill_tp_size`` differs from ``tp_size``, when prefill instances get the
+    catalog's model at their TP). ``model`` is the decode instances' model (their KV, decode
+    steps and local prefills), ``prefill_model`` the prefill instances' (prefill batches, the KV
+    transfer from their NICs, their prefix cache's size).
     """
 
     def __init__(self, trace: Trace, config: SimConfig, policy: ScalingPolicy | None = None, *,
@@ -103,13 +116,20 @@ class Simulator:
             cluster.model, cluster.gpu, cluster.tp_size,
             block_size_tokens=cluster.block_size_tokens,
             gpu_memory_utilization=cluster.gpu_memory_utilization)
+        self.prefill_model = self.model if cluster.prefill_tp == cluster.tp_size else (
+            instance_model(cluster.model, cluster.gpu, cluster.prefill_tp,
+                           block_size_tokens=cluster.block_size_tokens,
+                           gpu_memory_utilization=cluster.gpu_memory_utilization))
         if self.model.num_blocks > MAX_FREE_BLOCKS:
             raise CapacityError(
                 f"instances with over {MAX_FREE_BLOCKS} KV blocks are not supported")
         self._block_size = self.model.block_size_tokens
-        self._prefill_s = self.model.perf.prefill_time_s  # hot path: bound once
+        # Hot path: bound once.
+        self._prefill_s = self.prefill_model.perf.prefill_time_s
+        self._local_prefill_s = self.model.perf.prefill_time_s
         self._timing = DecodeTiming(self.model)
-        self._lru_cap = cluster.prefix_cache_blocks or self.model.num_blocks
+        self._chunk_budget = cluster.chunked_prefill_tokens
+        self._lru_cap = cluster.prefix_cache_blocks or self.prefill_model.num_blocks
         self._has_hashes = trace.has_prefix_hashes
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -118,7 +138,10 @@ class Simulator:
         self._in_flight = 0
         self._blocks_freed = False
         self._arrivals = TraceArrivals(trace, config.routing, self._block_size, config.max_tokens)
-        self._admission = AdmissionQueue(config.max_queued_requests, self._try_route)
+        self._live = None if config.admission is None else LiveAdmission(
+            config.admission, cluster, trace.tenant)
+        self._admission = AdmissionQueue(
+            0 if self._live is not None else config.max_queued_requests, self._try_route)
         self._usage = usage = Usage()
         self._recorder = recorder = Recorder(trace, config, self.model)
         self._window = ScalingWindow(config)
@@ -156,6 +179,10 @@ class Simulator:
         result = self._recorder.result(self._usage, fleet.serving_decodes(), self.now,
                                        self._num_events, time.perf_counter() - started)
         result.extra["cpu_s"] = time.process_time() - cpu_started
+        if self._live is not None:
+            for outcome, count in self._live.outcomes.items():
+                result.extra[f"admission_{outcome}"] = count
+            result.shed.update((i, str(outcome)) for i, outcome in self._live.shed.items())
         return result
 
     def _replay(self) -> None:
@@ -225,6 +252,8 @@ class Simulator:
         decodes = shortlist.decode_candidates(req.num_blocks)
         if not decodes:
             return False
+        if self._live is not None:
+            self._live.meet(self._fleet.prefills, req, self.now)
         overlap: dict[int, int] = {}
         if self._has_hashes and self._fleet.prefills:
             overlap = overlaps(self._fleet.prefills, self._hashes(req))
@@ -235,6 +264,14 @@ class Simulator:
             return False
         dec = self._by_id[decision.decode_worker_id]
         assert isinstance(dec, DecodeInstance)
+        pre = self._by_id[decision.prefill_worker_id] if decision.prefill_worker_id else None
+        live = self._live
+        if live is not None:
+            prefiller = pre or dec
+            if req.num_attempts == 0 and not live.admit(req, prefiller, self.now):
+                self._finish_unserved(req, RequestStatus.REJECTED)
+                return True  # shed: handled, not waiting
+            live.dispatched(req, prefiller, self.now)
         num_blocks = decision.num_blocks
         req.num_blocks = num_blocks
         req.num_attempts += 1
@@ -245,8 +282,7 @@ class Simulator:
         dec.free -= num_blocks
         dec.assigned.add(req)
         self._update_decode(dec)
-        if decision.prefill_worker_id:
-            pre = self._by_id[decision.prefill_worker_id]
+        if pre is not None:
             assert isinstance(pre, PrefillInstance)
             req.pre = pre
             req.is_local = False
@@ -322,6 +358,8 @@ class Simulator:
             if req.attempt != attempt:
                 continue
             self._move_ticket(req, TRANSFERRING)
+            if self._live is not None:
+                self._live.prefill_done(req, self.now)
             pre.queued_tokens -= req.prompt
             req.compute_s = duration
             num_tokens += req.prompt
@@ -329,7 +367,7 @@ class Simulator:
         pre.batch = []
         self._update_prefill(pre)
         if landing:
-            exposed = self.model.exposed_transfer_s(num_tokens, duration)
+            exposed = self.prefill_model.exposed_transfer_s(num_tokens, duration)
             for req, _ in landing:
                 req.transfer_s = exposed
             self._push(self.now + exposed, EV_KV_LANDED, landing)
@@ -374,29 +412,45 @@ class Simulator:
             return
         # dec stays busy while this step's results are applied: joins and leaving happen in
         # _next_step, once.
-        if dec.step_kind == STEP_LOCAL:
-            batch, dec.local_batch = dec.local_batch, []
-            for req, attempt in batch:
-                if req.attempt == attempt:
-                    self._move_ticket(req, DONE)
-                    req.compute_s = dec.step_s
-                    req.transfer_s = 0.0
-                    self._first_token(req)
+        if dec.step_kind == STEP_MIXED:
+            finished = finish_run(dec)  # the step's decode tokens, then its completed prompts
+            self._local_first_tokens(dec)
+            for req in finished:
+                self._finish(req, dec)
+        elif dec.step_kind == STEP_LOCAL:
+            self._local_first_tokens(dec)
         else:
             for req in finish_run(dec):
                 self._finish(req, dec)
         dec.busy = False
         self._next_step(dec)
 
+    def _local_first_tokens(self, dec: DecodeInstance) -> None:
+        """The prompts whose local prefill the step that just ended completed: first tokens."""
+        batch, dec.local_batch = dec.local_batch, []
+        for req, attempt in batch:
+            if req.attempt == attempt:
+                self._move_ticket(req, DONE)
+                if self._live is not None:
+                    self._live.prefill_done(req, self.now)
+                req.compute_s = (dec.step_s if dec.step_kind == STEP_LOCAL
+                                 else self.now - req.routed_s)
+                req.transfer_s = 0.0
+                self._first_token(req)
+
     def _next_step(self, dec: DecodeInstance) -> None:
-        """At a step boundary of an idle ``dec``: start a local prefill step or a decode run."""
+        """At a step boundary of an idle ``dec``: start a local prefill step, a chunked-prefill
+        step or a decode run."""
         local = dec.local
         while local and local[0][0].attempt != local[0][1]:
             local.popleft()
-        if local and (dec.step_kind == STEP_DECODE or not (dec.n_batch or dec.waiting)):
+        if local and self._chunk_budget and self._start_mixed(dec):
+            return
+        if local and not self._chunk_budget and (
+                dec.step_kind == STEP_DECODE or not (dec.n_batch or dec.waiting)):
             batch, lengths = take_local_batch(
                 dec, self.config.cluster.prefill_batch_tokens)
-            duration = self._prefill_s(lengths)
+            duration = self._local_prefill_s(lengths)
             dec.local_batch = batch
             dec.step_kind = STEP_LOCAL
             dec.step_s = duration
@@ -412,6 +466,26 @@ class Simulator:
         else:
             dec.step_kind = STEP_DECODE
             self._maybe_leave(dec, self.now)
+
+    def _start_mixed(self, dec: DecodeInstance) -> bool:
+        """One decode step of the batch (waiting sequences joined first) carrying prompt chunks
+        up to the token budget; False, and nothing started, if the batch fills the budget (the
+        prompts wait for sequences to finish)."""
+        max_batch_size = self.config.cluster.max_batch_size
+        if dec.waiting and dec.n_batch < max_batch_size:
+            join_waiting(dec, max_batch_size, self.now)
+        n = dec.n_batch
+        room = self._chunk_budget - n
+        if room < 1:
+            return False
+        chunks, dec.local_batch = take_chunks(dec, room)
+        duration = self.model.mixed_step_s(n, dec.ctx_base + n * dec.steps, chunks)
+        dec.step_kind = STEP_MIXED
+        dec.step_s = duration
+        dec.busy = True
+        dec.run_steps = 1
+        self._push(self.now + duration, EV_DECODE_STEP, (dec, dec.epoch))
+        return True
 
     def _start_run(self, dec: DecodeInstance) -> None:
         """Decode steps until the batch's next completion, as one event (``start_run``)."""
@@ -437,6 +511,8 @@ class Simulator:
         self._update_decode(dec)
         self._blocks_freed = True
         ttft, tpot = self._recorder.completed(req, dec, now)
+        if self._live is not None:
+            self._live.finish(req)
         self._in_flight -= 1
         self._window.completed(ttft, tpot)
         if dec.state == DRAINING:
@@ -444,6 +520,8 @@ class Simulator:
 
     def _finish_unserved(self, req: SimRequest, status: RequestStatus) -> None:
         self._recorder.unserved(req, status, self.now)
+        if self._live is not None:
+            self._live.finish(req)
         self._in_flight -= 1
         self._window.unserved()
 
@@ -484,8 +562,11 @@ class Simulator:
         the instances that did not fail. Its queue entries become stale (attempt mismatch)."""
         was = req.ticket
         self._move_ticket(req, ABORTED)
+        if self._live is not None:
+            self._live.prefill_done(req, self.now, is_ok=False)
         req.ticket = -1
         req.attempt += 1
+        req.prefilled = 0
         dec, pre = req.dec, req.pre
         req.dec = req.pre = None
         if dec is not None and dec is not failed:

@@ -31,13 +31,15 @@ STARTING, READY, DRAINING, GONE, FAILED = InstanceState
 
 
 class StepKind(enum.IntEnum):
-    """What a decode instance's step in flight is: a run of decode steps, or a local prefill."""
+    """What a decode instance's step in flight is: a run of decode steps, a local prefill, or
+    one decode step carrying prompt chunks (chunked prefill)."""
 
     DECODE = 0
     LOCAL = 1
+    MIXED = 2
 
 
-STEP_DECODE, STEP_LOCAL = StepKind
+STEP_DECODE, STEP_LOCAL, STEP_MIXED = StepKind
 
 TICKET_STATES = tuple(TicketState)
 """Ticket states by index: a request's ``ticket`` is an index into this (-1: no ticket), and
@@ -55,7 +57,8 @@ class SimRequest:
     ``i`` is its row in the trace; ``attempt`` counts routing attempts ended by a failure (a
     queue entry tagged with an older attempt is stale); ``dec``/``pre`` the instances of the
     current attempt (``pre`` None: local prefill on ``dec``). ``first_s`` is the first token's
-    time (-1 before it); ``join_step``/``join_s`` when it joined its decode batch.
+    time (-1 before it); ``join_step``/``join_s`` when it joined its decode batch;
+    ``prefilled`` how many of its prompt tokens a chunked local prefill has computed.
     """
 
     __slots__ = (
@@ -74,6 +77,7 @@ class SimRequest:
         "num_blocks",
         "output",
         "pre",
+        "prefilled",
         "prompt",
         "route_request",
         "routed_s",
@@ -102,6 +106,7 @@ class SimRequest:
         self.join_s = 0.0
         self.is_local = False
         self.cached = 0
+        self.prefilled = 0
         self.hashes: list[int] | None = None
 
 

@@ -51,6 +51,8 @@ class Trace:
     ``hash_ids[hash_offsets[r]:hash_offsets[r + 1]]`` with ``r = hash_row[i]`` (-1: none), one
     per ``hash_block_tokens`` prompt tokens; ``hash_salt[i]`` separates replayed copies (0 for
     the original) so that a copy does not reuse its original's cache.
+    ``tenant`` (optional): object[n] of tenant names, what the router's admission policy
+    shares capacity by (None: every request is the default tenant ``""``).
     """
 
     arrival_s: np.ndarray
@@ -62,9 +64,13 @@ class Trace:
     hash_ids: np.ndarray | None = None
     hash_block_tokens: int = MOONCAKE_BLOCK_TOKENS
     name: str = ""
+    tenant: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
+        if self.tenant is not None and len(self.tenant) != n:
+            raise InvalidArgumentError("trace tenant must have one entry per request",
+                                       field="tenant")
         if len(self.prompt_tokens) != n or len(self.output_tokens) != n:
             raise InvalidArgumentError(
                 f"trace columns differ in length: {n} arrivals, {len(self.prompt_tokens)} "
@@ -110,6 +116,7 @@ class Trace:
             None if self.hash_row is None else self.hash_row[index],
             None if self.hash_salt is None else self.hash_salt[index],
             self.hash_offsets, self.hash_ids, self.hash_block_tokens, self.name,
+            None if self.tenant is None else self.tenant[index],
         )
 
     def head(self, num_requests: int) -> Trace:
@@ -164,7 +171,7 @@ class Trace:
 def _with_arrivals(trace: Trace, arrival_s: np.ndarray) -> Trace:
     return Trace(arrival_s, trace.prompt_tokens, trace.output_tokens, trace.hash_row,
                  trace.hash_salt, trace.hash_offsets, trace.hash_ids, trace.hash_block_tokens,
-                 trace.name)
+                 trace.name, trace.tenant)
 
 
 def _mix64(value: int) -> int:

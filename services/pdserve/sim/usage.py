@@ -18,6 +18,7 @@ class Usage:
         "gpu_s",
         "last_t",
         "num_alive",
+        "num_gpus_alive",
         "num_prefill_ready",
         "prefill_busy_s",
         "prefill_busy_total_s",
@@ -36,8 +37,10 @@ class Usage:
         self.last_t = 0.0
         self.num_alive = 0
         """Instances launched and not gone (GPU-hours count from launch: cold starts cost)."""
+        self.num_gpus_alive = 0
+        """Their GPUs (prefill and decode instances may differ in TP)."""
         self.gpu_s = 0.0
-        """Instance-seconds alive (times ``tp_size`` for GPU-seconds)."""
+        """GPU-seconds alive."""
         self.used_blocks = 0
         """Decode KV blocks reserved or held, over all decode instances."""
         self.used_t = 0.0
@@ -73,7 +76,7 @@ class Usage:
         self.change_used(now, 0)
         dt = now - self.last_t
         if dt > 0:
-            self.gpu_s += self.num_alive * dt
+            self.gpu_s += self.num_gpus_alive * dt
             self.serving_int += self.serving_blocks * dt
             self.prefill_ready_int += self.num_prefill_ready * dt
             self.serving_total_int += self.serving_blocks * dt
