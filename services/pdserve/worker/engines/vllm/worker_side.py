@@ -365,6 +365,7 @@ class WorkerSide:
                 kv_address=self._kv_address, block_ids=spec.dst_block_ids,
                 transport=self._settings.transport,
                 layout=self.kv_cache.layout, decode_worker_id=self._settings.worker_id,
+                frame_versions=self._receiver.frame_versions,
                 metadata=DestinationPlacement(spec.first_block, spec.num_prompt_tokens).encode())
             await asyncio.wait_for(self._exchange.publish(token, destination),
                                    self._settings.rpc_timeout_s)
