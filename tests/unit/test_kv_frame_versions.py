@@ -368,3 +368,22 @@ def test_every_service_exports_its_build_info() -> None:
     set_build_info("kv-transfer")
     labels = {"service": "kv-transfer", "version": software_version()}
     assert REGISTRY.get_sample_value("pdserve_process_build_info", labels) == 1.0
+
+
+def test_a_receiver_that_cannot_checksum_refuses_a_done_with_a_crc32() -> None:
+    """``ReceiverTickets`` without ``kv_crc32_of`` (no view of the KV memory) cannot vouch for
+    a sender's CRC-32: the DONE is refused, never accepted unchecked."""
+    from pdserve.worker.transports.receiver_tickets import ReceiverTickets
+    from pdserve.worker.transports.values import FrameRefusedError
+
+    owners = BlockOwnerTable(LAYOUT.num_blocks)
+    tickets = ReceiverTickets(LAYOUT, owners)
+    token = FencingToken.new()
+    owners.assign(token, [4, 5])
+    tickets.expect(token, [4, 5], LAYOUT.num_layers)
+    admission = tickets.admit_layers(token, 0, LAYOUT.num_layers, np.array([4, 5]))
+    tickets.layer_landed(admission, 2 * LAYOUT.num_layers * LAYOUT.block_nbytes)
+    with pytest.raises(FrameRefusedError) as caught:
+        tickets.admit_done(token, 0, 0.0, LAYOUT.num_layers, frame_version=2, kv_crc32=1)
+    assert caught.value.rejection.reason is RejectReason.PROTOCOL
+    assert tickets.poll(token) is TransferPoll.FAILED
