@@ -41,7 +41,7 @@ from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.types import WorkerRole
 
-from .conftest import ServiceProcess
+from .conftest import ServiceProcess, run_cli
 from .test_token_exact import DEPLOYMENT, JOIN_TOKEN, MAX_TOKENS, TinyShape, TinyStack
 
 pytestmark = pytest.mark.timeout(420)
@@ -203,6 +203,12 @@ async def test_old_and_new_workers_hand_over_kv_and_serve_token_exact(
     old_info = (await stack.status("prefill-old")).worker
     assert new_info.software_version and list(new_info.kv_frame_versions) == [1, 2]
     assert old_info.software_version == "" and not old_info.kv_frame_versions  # really the old
+    status = await asyncio.to_thread(run_cli, ["status", "--address", stack.address])
+    assert status.returncode == 0, status.stderr
+    versions = {row[2]: row[-1] for row in map(str.split, status.stdout.splitlines())
+                if row and row[0] == DEPLOYMENT}
+    assert versions == {"decode-new": new_info.software_version, "prefill-old": "-"}, \
+        status.stdout
     reference = [tokens for tokens, _ in await asyncio.gather(
         *(stack.generate(p, pb.PREFILL_MODE_LOCAL) for p in prompts))]
     assert all(len(tokens) == MAX_TOKENS for tokens in reference)
