@@ -465,10 +465,13 @@ class WorkerSide:
             await sender.open(destination, job.token)
             src_ids = await self._push_layers(job, sender, destination, placement,
                                               first.timeout_s)
-            crc = kv_checksum(self.kv_cache, src_ids)
             crcs = block_crc32s(self.kv_cache, src_ids)
             result = await sender.finish(0, time.perf_counter() - job.started_s)
             timeline = LayerTimeline.of(job, done_s=time.perf_counter())
+            # The handoff's own checksum where it has one (tcp frame version 2: the CRC DONE
+            # carried); else computed here, after DONE (the blocks stay ours until the job ends).
+            crc = (result.kv_crc32 if result.kv_crc32 is not None
+                   else kv_checksum(self.kv_cache, src_ids))
             self._events.emit(ConnectorEvent(
                 EventKind.SENT, req_id=job.req_id, token=str(job.token), crc32=crc,
                 block_crc32s=crcs, num_blocks=len(src_ids), num_layers=result.num_layers,
