@@ -145,6 +145,7 @@ class RecordingBackend:
     def __init__(self, inner: Any, ledger: KvLedger) -> None:
         self._inner, self.ledger = inner, ledger
         self.name, self.is_pull = inner.name, inner.is_pull
+        self.frame_versions = inner.frame_versions
 
     def is_available(self) -> tuple[bool, str]:
         return self._inner.is_available()

@@ -70,6 +70,7 @@ class _CountingBackend:
     def __init__(self) -> None:
         self._inner = get_backend("inproc")
         self.name, self.is_pull = self._inner.name, self._inner.is_pull
+        self.frame_versions = self._inner.frame_versions
         self.batches: list[int] = []
 
     def is_available(self) -> tuple[bool, str]:

@@ -68,6 +68,7 @@ async def _status(args: argparse.Namespace) -> int:
                             str(load.num_queued_prefill_tokens),
                             str(load.num_running_seqs),
                             f"{load.num_free_blocks}/{load.num_total_blocks}",
+                            w.software_version or "-",  # "-": a release older than the field
                         ]
                     )
         async with client_channel(args.coordinator_address or args.address, args) as channel:
@@ -81,7 +82,7 @@ async def _status(args: argparse.Namespace) -> int:
         print(f"pdserve status: {error.code.name}: {error.message}", file=sys.stderr)
         return 1
     print(_table(["deployment", "role", "worker", "state", "address", "queued_tok", "running",
-                  "free/total_blocks"], sorted(rows)))
+                  "free/total_blocks", "version"], sorted(rows)))
     print()
     print(_table(["decode_worker", "total", "reserved", "held", "free"], [
         [e.decode_worker_id, str(e.num_total_blocks), str(e.num_reserved_blocks),

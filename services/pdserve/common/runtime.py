@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.logging import configure_logging
-from pdserve.common.metrics import MetricsServer, start_metrics_server
+from pdserve.common.metrics import MetricsServer, gauge, start_metrics_server
 from pdserve.common.settings import CommonSettings
 from pdserve.common.telemetry import configure_tracing, is_tracing_enabled
+from pdserve.common.version import software_version
 
 
 @dataclass(slots=True)
@@ -34,7 +35,15 @@ def setup_process(settings: CommonSettings) -> ProcessRuntime:
         provider = configure_tracing(settings.service_name, settings.otel_endpoint,
                                      settings.otel_sampling_ratio)
     metrics = start_metrics_server(settings.metrics_port, settings.grpc_host)
+    set_build_info(settings.service_name)
     return ProcessRuntime(provider, metrics)
+
+
+def set_build_info(service_name: str) -> None:
+    """``pdserve_process_build_info{service, version} 1``: which release each process of a
+    fleet runs (mid-upgrade, a query by ``version`` shows what is left to roll)."""
+    gauge("process", "build", "info", "The pdserve release this process runs (always 1)",
+          ("service", "version")).labels(service_name, software_version()).set(1)
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:

@@ -98,6 +98,7 @@ class DecodeAgent(WorkerAgent):
             layout=self.runtime.layout,
             metadata=placement.transport_metadata,
             decode_worker_id=self.config.worker_id,
+            frame_versions=placement.frame_versions,
         )
 
     def _validate_blocks(self, num_prompt_tokens: int, num_blocks: int) -> None:

@@ -31,6 +31,8 @@ class KvChecksum:
     block_crc32s: tuple[int, ...] = ()
     """One CRC-32 per block over its layers in order, when the side computed them (the vLLM
     connector does): an audit can then say which block differs."""
+    frame_version: int = 0
+    """KV frame format version of the handoff (2: checked at DONE); 0 = not known."""
 
 
 def kv_checksum(kv_cache: KvCache, block_ids: Sequence[int]) -> int:
@@ -43,7 +45,11 @@ def kv_checksum(kv_cache: KvCache, block_ids: Sequence[int]) -> int:
     return crc
 
 
-def checksum_of(kv_cache: KvCache, token: FencingToken, block_ids: Sequence[int]) -> KvChecksum:
-    """The ``KvChecksum`` of ``token``'s prompt blocks ``block_ids`` in ``kv_cache``."""
-    return KvChecksum(token, kv_checksum(kv_cache, block_ids), len(block_ids),
-                      kv_cache.layout.num_layers)
+def checksum_of(kv_cache: KvCache, token: FencingToken, block_ids: Sequence[int], *,
+                frame_version: int = 0, crc32: int | None = None) -> KvChecksum:
+    """The ``KvChecksum`` of ``token``'s prompt blocks ``block_ids`` in ``kv_cache``; ``crc32``
+    when the handoff computed it already (frame version 2 checks it at DONE)."""
+    if crc32 is None:
+        crc32 = kv_checksum(kv_cache, block_ids)
+    return KvChecksum(token, crc32, len(block_ids), kv_cache.layout.num_layers,
+                      frame_version=frame_version)

@@ -58,7 +58,7 @@ class KvLanding:
         except BaseException:
             self.owners.release(token)
             raise
-        return KvPlacement(tuple(prompt_block_ids), receiver.metadata())
+        return KvPlacement(tuple(prompt_block_ids), receiver.metadata(), receiver.frame_versions)
 
     async def wait(self, token: FencingToken, timeout_s: float) -> TransferResult:
         """``KvReceiver.wait``: the transfer once every layer landed and the sender said DONE."""

@@ -26,6 +26,7 @@ from pdserve.common.grpc_client import open_channel
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.tokenizer_bundle import bundle_from_folder, bundle_to_pb
 from pdserve.common.types import WorkerRole, WorkerState
+from pdserve.common.version import software_version
 from pdserve.worker.agent import AgentConfig, WorkerAgent
 from pdserve.worker.control import GrpcControlPlane, PoolClient
 from pdserve.worker.engine import Engine
@@ -167,6 +168,8 @@ class WorkerProcess:
             prefill_tokens_per_s=self.prefill_tokens_per_s(),
             tokenizer_sha256=self.tokenizer.sha256 if self.tokenizer else "",
             max_model_len=self.max_model_len(),
+            software_version=software_version(),
+            kv_frame_versions=self.agent.transport.frame_versions,
         )
 
     def max_model_len(self) -> int:

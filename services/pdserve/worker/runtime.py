@@ -190,6 +190,8 @@ class KvPlacement:
     """The physical block of each logical prompt block, sequence order (same id every layer)."""
     transport_metadata: bytes = b""
     """What a sender needs beyond the address (``KvReceiver.metadata``; empty for push)."""
+    frame_versions: tuple[int, ...] = ()
+    """Frame format versions the receiver reads (``KvReceiver.frame_versions``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,7 +131,8 @@ class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
             num_total_blocks=load.num_total_blocks,
             kv_checksums=[worker_pb2.KvChecksum(token=token_to_pb(c.token), crc32=c.crc32,
                                                 num_blocks=c.num_blocks, num_layers=c.num_layers,
-                                                block_crc32s=c.block_crc32s)
+                                                block_crc32s=c.block_crc32s,
+                                                kv_frame_version=c.frame_version)
                           for c in agent.kv_checksums],
             num_refused_frames=agent.num_refused_frames,
             prompt_tokens_by_source=agent.prompt_tokens_by_source(),

@@ -107,7 +107,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "deployment", "role", "state", "address", "kv_address", "load", "last_heartbeat_unix_ms", "engine", "gpu", "tp_size", "kv_layout", "kv_transports", "model", "num_gpus", "prefill_tokens_per_s", "tokenizer_sha256", "max_model_len")
+    __slots__ = ("worker_id", "deployment", "role", "state", "address", "kv_address", "load", "last_heartbeat_unix_ms", "engine", "gpu", "tp_size", "kv_layout", "kv_transports", "model", "num_gpus", "prefill_tokens_per_s", "tokenizer_sha256", "max_model_len", "software_version", "kv_frame_versions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class WorkerInfo(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_FRAME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     deployment: str
     role: WorkerRole
@@ -144,7 +146,9 @@ class WorkerInfo(_message.Message):
     prefill_tokens_per_s: float
     tokenizer_sha256: str
     max_model_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., deployment: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., engine: _Optional[str] = ..., gpu: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., num_gpus: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tokenizer_sha256: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    software_version: str
+    kv_frame_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., deployment: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., engine: _Optional[str] = ..., gpu: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., num_gpus: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tokenizer_sha256: _Optional[str] = ..., max_model_len: _Optional[int] = ..., software_version: _Optional[str] = ..., kv_frame_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizerBundle(_message.Message):
     __slots__ = ("tokenizer_json", "chat_template", "bos_token", "eos_token", "pad_token", "max_model_len", "sha256")
@@ -191,20 +195,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("kv_address", "block_ids", "transport", "kv_layout", "transport_metadata", "decode_worker_id")
+    __slots__ = ("kv_address", "block_ids", "transport", "kv_layout", "transport_metadata", "decode_worker_id", "kv_frame_versions")
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_FRAME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     kv_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     transport: str
     kv_layout: KvLayout
     transport_metadata: bytes
     decode_worker_id: str
-    def __init__(self, kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., transport_metadata: _Optional[bytes] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+    kv_frame_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., transport_metadata: _Optional[bytes] = ..., decode_worker_id: _Optional[str] = ..., kv_frame_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferStats(_message.Message):
     __slots__ = ("num_bytes", "num_blocks", "prefill_compute_ms", "transfer_ms", "exposed_ms", "num_layers")

@@ -199,15 +199,17 @@ class GetStatusResponse(_message.Message):
     def __init__(self, worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., tickets: _Optional[_Iterable[_Union[WorkerTicket, _Mapping]]] = ..., expert_placement_version: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_checksums: _Optional[_Iterable[_Union[KvChecksum, _Mapping]]] = ..., num_refused_frames: _Optional[int] = ..., num_late_writes_accepted: _Optional[int] = ..., prompt_tokens_by_source: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class KvChecksum(_message.Message):
-    __slots__ = ("token", "crc32", "num_blocks", "num_layers", "block_crc32s")
+    __slots__ = ("token", "crc32", "num_blocks", "num_layers", "block_crc32s", "kv_frame_version")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CRC32S_FIELD_NUMBER: _ClassVar[int]
+    KV_FRAME_VERSION_FIELD_NUMBER: _ClassVar[int]
     token: _common_pb2.FencingToken
     crc32: int
     num_blocks: int
     num_layers: int
     block_crc32s: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., crc32: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_crc32s: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_frame_version: int
+    def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., crc32: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_crc32s: _Optional[_Iterable[int]] = ..., kv_frame_version: _Optional[int] = ...) -> None: ...

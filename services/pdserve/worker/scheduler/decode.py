@@ -53,6 +53,8 @@ class _Slot:
     is_held_by_stream: bool = False
     """A stream computes into or decodes from the blocks: it frees them when it ends."""
     aborted: str = ""
+    transfer: TransferResult | None = None
+    """The prompt KV's handoff, once it landed."""
 
 
 def _timing_of(result: TransferResult) -> TransferTiming:
@@ -151,7 +153,7 @@ class DecodeScheduler(EngineScheduler):
         try:
             yield DecodeChunk([sequence.output_token_ids[0]], timing)
             if checksum_block_ids:
-                self._record_checksum(slot.token, checksum_block_ids)
+                self._record_checksum(slot.token, checksum_block_ids, slot.transfer)
                 checksum_block_ids = []
             if sequence.is_finished:
                 return
@@ -169,7 +171,7 @@ class DecodeScheduler(EngineScheduler):
                 yield DecodeChunk([new_token])
         finally:
             if checksum_block_ids:  # closed at the first token
-                self._record_checksum(slot.token, checksum_block_ids)
+                self._record_checksum(slot.token, checksum_block_ids, slot.transfer)
             if slot in self._running:
                 self._running.remove(slot)
             self._free(slot, "")
@@ -223,6 +225,7 @@ class DecodeScheduler(EngineScheduler):
         if slot.aborted:
             raise StaleTokenError(f"ticket {token} was dropped: {slot.aborted}")
         slot.is_held_by_stream = True
+        slot.transfer = result
         prompt = list(request.prompt_token_ids)
         sequence = Sequence(
             request_id=request.request_id or str(token), prompt_token_ids=prompt,

@@ -20,6 +20,7 @@ from pdserve.worker.engine import BlockAllocator, Engine, KvLayout
 from pdserve.worker.experts import ExpertParallelEngine, expert_parallel
 from pdserve.worker.kv_checksums import MAX_CHECKSUMS, KvChecksum, checksum_of
 from pdserve.worker.runtime import ProfilePoint
+from pdserve.worker.transports.values import TransferResult
 
 T = TypeVar("T")
 
@@ -74,6 +75,11 @@ class EngineScheduler:
     async def _run_engine(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn)
 
-    def _record_checksum(self, token: FencingToken, block_ids: Sequence[int]) -> None:
-        """Keep the checksum of a handoff's prompt KV as it is in this worker's cache."""
-        self._kv_checksums.append(checksum_of(self.engine.kv_cache, token, block_ids))
+    def _record_checksum(self, token: FencingToken, block_ids: Sequence[int],
+                         result: TransferResult | None = None) -> None:
+        """Keep the checksum of a handoff's prompt KV as it is in this worker's cache (the
+        transfer's own, when ``result`` has one)."""
+        self._kv_checksums.append(checksum_of(
+            self.engine.kv_cache, token, block_ids,
+            frame_version=result.frame_version if result is not None else 0,
+            crc32=result.kv_crc32 if result is not None else None))

@@ -310,8 +310,9 @@ class PrefillScheduler(EngineScheduler):
                     "pdserve.exposed_ms": exposed_s * 1e3,
                 })
                 transfer_span.end()
-                self._kv_checksums.append(
-                    checksum_of(self.engine.kv_cache, ticket.token, block_ids[:num_sent]))
+                self._kv_checksums.append(checksum_of(
+                    self.engine.kv_cache, ticket.token, block_ids[:num_sent],
+                    frame_version=result.frame_version, crc32=result.kv_crc32))
         except BaseException as exc:
             if transfer_span is not None and transfer_span.is_recording():
                 transfer_span.record_exception(exc)

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import NoReturn
 
 from pdserve.common.errors import IllegalTransitionError, InvalidArgumentError
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
+from pdserve.worker.kv_checksums import kv_checksum
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.receiver_tickets import ReceiverTickets
 from pdserve.worker.transports.values import (
@@ -60,7 +62,12 @@ class KvReceiver(abc.ABC):
             )
         self.kv_cache = kv_cache
         self.owner_table = owner_table
-        self.tickets = ReceiverTickets(kv_cache.layout, owner_table, clock)
+        self.tickets = ReceiverTickets(kv_cache.layout, owner_table, clock,
+                                       kv_crc32_of=functools.partial(kv_checksum, kv_cache))
+
+    frame_versions: tuple[int, ...] = (1,)
+    """Versions of the transport's wire format this receiver reads; announced in the
+    destinations it hands out (``KvDestinationSpec.frame_versions``)."""
 
     @abc.abstractmethod
     async def start(self, host: str, port: int) -> str:

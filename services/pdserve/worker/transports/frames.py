@@ -4,10 +4,11 @@ A frame is a fixed header, then ``num_block_ids`` block ids, then ``payload_nbyt
 
     offset size field
          0    4 magic            b"PDKV"
-         4    1 version          FORMAT_VERSION (1)
+         4    1 version          1 or 2 (``FRAME_VERSIONS``; see "Versions" below)
          5    1 frame_type       FrameType
          6    2 flags            bit 0: block ids are uint64 (else uint32); bit 1: NO_ACK (HELLO
-                                 only); other bits must be 0
+                                 only); bit 2: KV_CRC32 (DONE of version 2 only); other bits
+                                 must be 0
          8   16 ticket_id        the ticket's UUID, 16 raw bytes
         24    4 attempt          fencing attempt (>= 1; 0 only in ACK/ERROR about no ticket)
         28    4 layer            LAYER: layer index; LAYERS: first layer; ERROR: layer of the
@@ -30,8 +31,11 @@ Frames, by direction (P = prefill/sender, D = decode/receiver):
   blocks, layer after layer (each as in LAYER); the number of layers is
   ``payload_nbytes / (num_block_ids x block_nbytes)``. One frame, one admission, one scatter
   read for layers that were ready at once.
-- ``DONE`` P->D: payload = (first_token_id, prefill_compute_s, num_layers). D answers ACK when
-  every layer has landed, else ERROR.
+- ``DONE`` P->D: payload = (first_token_id, prefill_compute_s, num_layers), and with flag
+  ``KV_CRC32`` (version 2) the sender's CRC-32 of the ticket's KV after it (``kv_checksum``: every
+  layer of the destination blocks in sequence order, layer-major). D answers ACK when every layer
+  has landed (and its own CRC-32 of what landed equals the sender's), else ERROR
+  (``checksum_mismatch`` for a CRC that differs).
 - ``ABORT`` P->D: payload = reason (UTF-8). No answer.
 - ``ACK`` D->P: payload = the answered frame type (1 byte).
 - ``ERROR`` D->P: payload = the refused frame type (1 byte) + ``reason`` + NUL + detail (UTF-8).
@@ -42,6 +46,15 @@ every frame names its ticket, and replies are matched to tickets by that name.
 LAYERS and NO_ACK came after the first release of version 1: a receiver older than them refuses
 such frames as malformed (the ticket fails and the request is retried); everything older senders
 send is still accepted unchanged.
+
+Versions. A receiver accepts every version in ``FRAME_VERSIONS`` and announces them in the
+destination it hands out (``KvDestination.kv_frame_versions``); a sender writes every frame of a
+ticket at ``negotiate_frame_version`` of that list: the highest version both speak, and 1 when the
+list is empty (a receiver older than the list speaks version 1 only). A receiver answers a frame
+at that frame's version; replies about no frame (a bad header, a ticket that failed meanwhile)
+go at version 1, which every sender reads. Version 2 adds one thing, the ``KV_CRC32`` flag on
+DONE: the KV's integrity checked at the handoff itself, where version 1 only lets an audit
+compare both sides' checksums after the fact (``GetStatus``), when the tokens have been served.
 
 The decoder is strict and works on the header alone (``decode_header``): anything malformed
 raises ``FrameError`` before a receiver reads a single payload byte, so a bad header can never
@@ -63,16 +76,24 @@ from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.types import FencingToken
 
 MAGIC = b"PDKV"
-FORMAT_VERSION = 1
+FRAME_VERSIONS: tuple[int, ...] = (1, 2)
+"""Frame format versions this release reads and writes, oldest first."""
+MIN_FRAME_VERSION = FRAME_VERSIONS[0]
+MAX_FRAME_VERSION = FRAME_VERSIONS[-1]
+FORMAT_VERSION = MIN_FRAME_VERSION
+"""The version frames are encoded at unless a caller says otherwise (every receiver reads it)."""
 FLAG_BLOCK_IDS_U64 = 0x1
 FLAG_NO_ACK = 0x2
 """HELLO only: answer a refusal, not an acceptance."""
-_KNOWN_FLAGS = FLAG_BLOCK_IDS_U64 | FLAG_NO_ACK
+FLAG_KV_CRC32 = 0x4
+"""DONE of version >= 2 only: the payload ends with the sender's CRC-32 of the ticket's KV."""
+_KNOWN_FLAGS = FLAG_BLOCK_IDS_U64 | FLAG_NO_ACK | FLAG_KV_CRC32
 
 _HEADER = struct.Struct("<4sBBH16sIIIQ")
 HEADER_NBYTES = _HEADER.size
 _HELLO = struct.Struct("<IIQ")
 _DONE = struct.Struct("<qdI")
+_DONE_CRC32 = struct.Struct("<qdII")
 
 MAX_CONTROL_PAYLOAD_NBYTES = 64 * 1024
 """ABORT and ERROR payloads (a reason text) are at most this long."""
@@ -83,6 +104,25 @@ _MAX_U32 = 2**32 - 1
 
 class FrameError(InvalidArgumentError):
     """Bytes that are not a well-formed frame. The stream they came from cannot be trusted."""
+
+
+class NoCommonFrameVersionError(InvalidArgumentError):
+    """Sender and receiver speak no frame version in common."""
+
+
+def negotiate_frame_version(receiver_versions: tuple[int, ...] | list[int]) -> int:
+    """The version a sender writes a ticket's frames at: the highest of ``receiver_versions``
+    (what the destination announced) that this release speaks; 1 for an empty list (a receiver
+    older than the announcement). Raises ``NoCommonFrameVersionError`` when there is none."""
+    if not receiver_versions:
+        return MIN_FRAME_VERSION
+    common = set(receiver_versions) & set(FRAME_VERSIONS)
+    if not common:
+        raise NoCommonFrameVersionError(
+            f"destination.kv_frame_versions: receiver speaks KV frame versions "
+            f"{sorted(receiver_versions)}, this sender {list(FRAME_VERSIONS)}",
+            field="destination.kv_frame_versions")
+    return max(common)
 
 
 class FrameType(enum.IntEnum):
@@ -119,6 +159,7 @@ class FrameHeader:
     num_block_ids: int = 0
     payload_nbytes: int = 0
     flags: int = 0
+    version: int = FORMAT_VERSION
 
     @property
     def block_id_nbytes(self) -> int:
@@ -169,7 +210,7 @@ def encode_header(header: FrameHeader) -> bytes:
     ticket_bytes, attempt = _token_bytes(header.token)
     return _HEADER.pack(
         MAGIC,
-        FORMAT_VERSION,
+        header.version,
         int(header.frame_type),
         header.flags,
         ticket_bytes,
@@ -206,17 +247,18 @@ class EncodedBlockIds:
 
 def layer_frame_prefix(
     token: FencingToken, layer: int, block_ids: np.ndarray | EncodedBlockIds, block_nbytes: int,
-    num_layers: int = 1,
+    num_layers: int = 1, version: int = FORMAT_VERSION,
 ) -> bytes:
     """Header and block ids of a LAYER frame (``num_layers`` 1) or of a LAYERS frame for layers
-    ``layer .. layer + num_layers - 1``; the blocks' bytes follow (sent by the caller)."""
+    ``layer .. layer + num_layers - 1``; the blocks' bytes follow (sent by the caller). LAYER
+    and LAYERS are the same in every version."""
     if num_layers < 1:
         raise FrameError(f"a layer frame carries >= 1 layers, got {num_layers}")
     ids = block_ids if isinstance(block_ids, EncodedBlockIds) else EncodedBlockIds.of(block_ids)
     frame_type = FrameType.LAYER if num_layers == 1 else FrameType.LAYERS
     ticket_bytes, attempt = _token_bytes(token)
     return _HEADER.pack(
-        MAGIC, FORMAT_VERSION, int(frame_type), ids.flags, ticket_bytes, attempt, layer,
+        MAGIC, version, int(frame_type), ids.flags, ticket_bytes, attempt, layer,
         ids.num_block_ids, num_layers * ids.num_block_ids * block_nbytes,
     ) + ids.data
 
@@ -229,11 +271,13 @@ def encode_frame(
     block_ids: np.ndarray | list[int] | tuple[int, ...] = (),
     payload: bytes = b"",
     flags: int = 0,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
     """A whole frame in one buffer (control frames; LAYER frames use ``layer_frame_prefix``).
     ``flags`` adds to the block-id width flag (e.g. ``FLAG_NO_ACK`` on a HELLO)."""
     ids_bytes, id_flags = encode_block_ids(block_ids)
-    header = FrameHeader(frame_type, token, layer, len(block_ids), len(payload), flags | id_flags)
+    header = FrameHeader(frame_type, token, layer, len(block_ids), len(payload), flags | id_flags,
+                         version)
     return encode_header(header) + ids_bytes + payload
 
 
@@ -249,15 +293,16 @@ def decode_header(data: bytes | bytearray | memoryview, limits: FrameLimits) -> 
     )
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
-    if version != FORMAT_VERSION:
-        raise FrameError(f"unsupported frame format version {version}")
+    if version not in FRAME_VERSIONS:
+        raise FrameError(f"unsupported frame format version {version} "
+                         f"(this receiver reads {list(FRAME_VERSIONS)})")
     frame_type = _FRAME_TYPES.get(type_code)
     if frame_type is None:
         raise FrameError(f"unknown frame type {type_code}")
     if flags & ~_KNOWN_FLAGS:
         raise FrameError(f"unknown flags {flags:#x}")
     token = _decode_token(frame_type, ticket_bytes, attempt)
-    header = FrameHeader(frame_type, token, layer, num_ids, payload_nbytes, flags)
+    header = FrameHeader(frame_type, token, layer, num_ids, payload_nbytes, flags, version)
     _check_shape(header, limits)
     return header
 
@@ -281,6 +326,8 @@ def _check_shape(header: FrameHeader, limits: FrameLimits) -> None:
     frame_type = header.frame_type
     if header.flags & FLAG_NO_ACK and frame_type is not FrameType.HELLO:
         raise FrameError(f"flags: NO_ACK on a {frame_type.name} frame")
+    if header.flags & FLAG_KV_CRC32 and (frame_type is not FrameType.DONE or header.version < 2):
+        raise FrameError(f"flags: KV_CRC32 on a version {header.version} {frame_type.name} frame")
     has_ids = frame_type in _FRAMES_WITH_IDS
     if has_ids and not 1 <= header.num_block_ids <= limits.max_block_ids:
         raise FrameError(
@@ -332,7 +379,7 @@ def _expected_payload_nbytes(header: FrameHeader, limits: FrameLimits) -> int | 
         case FrameType.HELLO:
             return _HELLO.size
         case FrameType.DONE:
-            return _DONE.size
+            return _DONE_CRC32.size if header.flags & FLAG_KV_CRC32 else _DONE.size
         case FrameType.ACK:
             return 1
         case _:
@@ -376,20 +423,32 @@ class HelloPayload:
 
 @dataclass(frozen=True, slots=True)
 class DonePayload:
-    """End of a ticket's KV: the first token prefill produced and what prefill cost."""
+    """End of a ticket's KV: the first token prefill produced and what prefill cost, and (frame
+    version 2, flag ``KV_CRC32``) the sender's CRC-32 of the KV it sent (``kv_checksum``)."""
 
     first_token_id: int
     prefill_compute_s: float
     num_layers: int
+    kv_crc32: int | None = None
+
+    @property
+    def flags(self) -> int:
+        """The header flags this payload needs."""
+        return 0 if self.kv_crc32 is None else FLAG_KV_CRC32
 
     def encode(self) -> bytes:
-        return _DONE.pack(self.first_token_id, self.prefill_compute_s, self.num_layers)
+        if self.kv_crc32 is None:
+            return _DONE.pack(self.first_token_id, self.prefill_compute_s, self.num_layers)
+        return _DONE_CRC32.pack(self.first_token_id, self.prefill_compute_s, self.num_layers,
+                                self.kv_crc32)
 
     @staticmethod
-    def decode(data: bytes | bytearray | memoryview) -> DonePayload:
-        if len(data) != _DONE.size:
-            raise FrameError(f"DONE payload is {len(data)} bytes, expected {_DONE.size}")
-        return DonePayload(*_DONE.unpack(data))
+    def decode(data: bytes | bytearray | memoryview, flags: int = 0) -> DonePayload:
+        """``flags``: the header's (``KV_CRC32`` says the CRC follows)."""
+        layout = _DONE_CRC32 if flags & FLAG_KV_CRC32 else _DONE
+        if len(data) != layout.size:
+            raise FrameError(f"DONE payload is {len(data)} bytes, expected {layout.size}")
+        return DonePayload(*layout.unpack(data))
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,6 +173,7 @@ class InprocBackend:
 
     name = "inproc"
     is_pull = False
+    frame_versions: tuple[int, ...] = InprocKvReceiver.frame_versions
 
     def is_available(self) -> tuple[bool, str]:
         return True, ""

@@ -64,6 +64,8 @@ class _Ticket:
     first_byte_s: float | None = None
     last_layer_s: float | None = None
     done: tuple[int, float] | None = None  # (first_token_id, prefill_compute_s) from DONE
+    frame_version: int = 0  # of the DONE frame (0: a transport without versioned frames)
+    kv_crc32: int | None = None  # the sender's CRC-32 of the KV, checked against what landed
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -140,8 +142,13 @@ class ReceiverTickets:
         *,
         max_finished: int = 4096,
         max_rejections: int = 1024,
+        kv_crc32_of: Callable[[np.ndarray], int] | None = None,
     ) -> None:
+        """``kv_crc32_of(block_ids)``: the CRC-32 of every layer of those blocks as they are in
+        the receiver's memory (``kv_checksum``); without it a DONE's CRC cannot be checked and
+        is refused."""
         self.layout = layout
+        self._kv_crc32_of = kv_crc32_of
         self.owner_table = owner_table
         self._clock = clock
         self._active: dict[FencingToken, _Ticket] = {}
@@ -313,9 +320,12 @@ class ReceiverTickets:
             self._maybe_succeed(ticket)
 
     def admit_done(self, token: FencingToken, first_token_id: int, prefill_compute_s: float,
-                   num_layers: int) -> None:
+                   num_layers: int, *, frame_version: int = 0,
+                   kv_crc32: int | None = None) -> None:
         """The sender's DONE (push transports: every layer was sent before it). Raises
-        ``FrameRefusedError`` unless the ticket is now SUCCESS."""
+        ``FrameRefusedError`` unless the ticket is now SUCCESS. ``kv_crc32``: the sender's
+        checksum of the KV it sent; the ticket fails (``checksum_mismatch``) unless what landed
+        has the same."""
         ticket = self._live_ticket(token, "DONE", 0)
         if num_layers != ticket.num_layers or not ticket.is_complete:
             missing = [layer for layer, n in enumerate(ticket.num_received)
@@ -323,6 +333,16 @@ class ReceiverTickets:
             raise self._refusal(token, "DONE", 0, RejectReason.INCOMPLETE,
                                 f"sender offered {num_layers} layers; "
                                 f"layers missing blocks: {missing[:8]}")
+        if kv_crc32 is not None:
+            if self._kv_crc32_of is None:
+                raise self._refusal(token, "DONE", 0, RejectReason.PROTOCOL,
+                                    "this receiver cannot check a KV checksum")
+            landed = self._kv_crc32_of(ticket.dst_block_ids)
+            if landed != kv_crc32:
+                raise self._refusal(token, "DONE", 0, RejectReason.CHECKSUM_MISMATCH,
+                                    f"sender's KV CRC-32 {kv_crc32:#010x}, landed "
+                                    f"{landed:#010x}")
+        ticket.frame_version, ticket.kv_crc32 = frame_version, kv_crc32
         ticket.done = (first_token_id, prefill_compute_s)
         self._maybe_succeed(ticket)
 
@@ -432,5 +452,7 @@ class ReceiverTickets:
             prefill_compute_s=prefill_compute_s,
             started_s=ticket.first_byte_s,
             finished_s=ticket.last_layer_s,
+            frame_version=ticket.frame_version,
+            kv_crc32=ticket.kv_crc32,
         )
 

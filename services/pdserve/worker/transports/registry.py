@@ -25,6 +25,9 @@ class TransportBackend(Protocol):
 
     name: str
     is_pull: bool
+    frame_versions: tuple[int, ...]
+    """Versions of the backend's wire format its receivers read (what a worker announces in
+    ``WorkerInfo.kv_frame_versions``)."""
 
     def is_available(self) -> tuple[bool, str]:
         """``(True, "")``, or ``(False, why)`` (missing library, no device)."""

@@ -47,6 +47,7 @@ class RejectReason(enum.StrEnum):
     DUPLICATE_LAYER = "duplicate_layer"  # that layer of those blocks arrived already
     LAYOUT_MISMATCH = "layout_mismatch"  # HELLO's shape differs from the receiver's
     INCOMPLETE = "incomplete"  # DONE before every layer landed
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # what landed differs from the sender's CRC-32
     OWNERSHIP_LOST = "ownership_lost"  # blocks released while the frame was arriving
     MALFORMED_FRAME = "malformed_frame"
     PROTOCOL = "protocol"  # a well-formed frame in the wrong place
@@ -76,6 +77,8 @@ class KvDestinationSpec:
     ``block_ids[i]`` is the decode worker's physical block for logical block i of the sequence
     (the same id in every layer). ``layout`` is the decode worker's; the sender refuses to open
     towards an incompatible one. ``metadata`` is opaque to everyone but the transport.
+    ``frame_versions``: the versions of the transport's wire format the receiver reads (empty:
+    a receiver older than the field, which reads version 1 only); the sender picks one.
     """
 
     kv_address: str
@@ -84,6 +87,7 @@ class KvDestinationSpec:
     layout: KvLayout
     metadata: bytes = b""
     decode_worker_id: str = ""
+    frame_versions: tuple[int, ...] = ()
 
     @staticmethod
     def from_proto(message: common_pb2.KvDestination) -> KvDestinationSpec:
@@ -106,6 +110,7 @@ class KvDestinationSpec:
             layout=kv_layout,
             metadata=bytes(message.transport_metadata),
             decode_worker_id=message.decode_worker_id,
+            frame_versions=tuple(int(v) for v in message.kv_frame_versions),
         )
 
     def to_proto(self) -> common_pb2.KvDestination:
@@ -122,6 +127,7 @@ class KvDestinationSpec:
             ),
             transport_metadata=self.metadata,
             decode_worker_id=self.decode_worker_id,
+            kv_frame_versions=list(self.frame_versions),
         )
 
 
@@ -149,7 +155,10 @@ class TransferResult:
     Receiver: ``started_s`` = first layer frame admitted, ``finished_s`` = last layer landed.
     Sender: ``started_s`` = first ``offer_layer``, ``finished_s`` = the receiver's ACK of DONE.
     Both on that side's monotonic clock. ``num_bytes`` = KV bytes moved (all layers);
-    ``num_blocks`` = blocks per layer.
+    ``num_blocks`` = blocks per layer. ``frame_version``: the wire format version the ticket
+    used (0: a transport without versioned frames). ``kv_crc32``: the ticket's KV checksum
+    (``kv_checksum``) where the handoff computed one (frame version 2: the sender's, checked
+    by the receiver), so an audit need not compute it again.
     """
 
     num_bytes: int
@@ -159,6 +168,8 @@ class TransferResult:
     prefill_compute_s: float
     started_s: float
     finished_s: float
+    frame_version: int = 0
+    kv_crc32: int | None = None
 
     @property
     def transfer_s(self) -> float:

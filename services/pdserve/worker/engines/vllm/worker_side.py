@@ -423,6 +423,7 @@ class WorkerSide:
                 kv_address=self._kv_address, block_ids=spec.dst_block_ids,
                 transport=self._settings.transport,
                 layout=self.kv_cache.layout, decode_worker_id=self._settings.worker_id,
+                frame_versions=self._receiver.frame_versions,
                 metadata=DestinationPlacement(spec.first_block, spec.num_prompt_tokens).encode())
             await asyncio.wait_for(self._exchange.publish(token, destination),
                                    self._settings.rpc_timeout_s)
@@ -520,10 +521,13 @@ class WorkerSide:
             await sender.open(destination, job.token)
             src_ids = await self._push_layers(job, sender, destination, placement,
                                               first.timeout_s)
-            crc = kv_checksum(self.kv_cache, src_ids)
             crcs = block_crc32s(self.kv_cache, src_ids)
             result = await sender.finish(0, time.perf_counter() - job.started_s)
             timeline = LayerTimeline.of(job, done_s=time.perf_counter())
+            # The handoff's own checksum where it has one (tcp frame version 2: the CRC DONE
+            # carried); else computed here, after DONE (the blocks stay ours until the job ends).
+            crc = (result.kv_crc32 if result.kv_crc32 is not None
+                   else kv_checksum(self.kv_cache, src_ids))
             self._events.emit(ConnectorEvent(
                 EventKind.SENT, req_id=job.req_id, token=str(job.token), crc32=crc,
                 block_crc32s=crcs, num_blocks=len(src_ids), num_layers=result.num_layers,

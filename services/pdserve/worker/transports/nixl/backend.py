@@ -19,6 +19,7 @@ class NixlBackend:
 
     name = "nixl"
     is_pull = True
+    frame_versions: tuple[int, ...] = NixlKvReceiver.frame_versions
 
     def __init__(self, settings: NixlTransportSettings = DEFAULT_NIXL_SETTINGS) -> None:
         self.settings = settings

@@ -22,6 +22,7 @@ from pdserve.worker.transports.addresses import format_address
 from pdserve.worker.transports.base import KvReceiver
 from pdserve.worker.transports.nixl.agent import NixlAgent, read_descriptors
 from pdserve.worker.transports.nixl.control import (
+    FORMAT_VERSION,
     MAX_TEXT_NBYTES,
     ControlError,
     Hello,
@@ -98,6 +99,9 @@ class _Connection:
 
 class NixlKvReceiver(KvReceiver):
     """Decode side of ``nixl``: a control socket for announcements, NIXL READs for the KV."""
+
+    frame_versions: tuple[int, ...] = (FORMAT_VERSION,)
+    """The control socket's message format (its own numbering: ``nixl.control``)."""
 
     def __init__(self, kv_cache: KvCache, owner_table: BlockOwnerTable,
                  clock: MonotonicClock = time.perf_counter,

@@ -17,6 +17,7 @@ class TcpBackend:
 
     name = "tcp"
     is_pull = False
+    frame_versions: tuple[int, ...] = TcpKvReceiver.frame_versions
 
     def __init__(self, settings: TcpTransportSettings = DEFAULT_TCP_SETTINGS) -> None:
         self.settings = settings

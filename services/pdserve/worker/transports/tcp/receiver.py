@@ -25,7 +25,9 @@ from pdserve.worker.transports.block_views import coalesce_block_runs, layers_bl
 from pdserve.worker.transports.frames import (
     FLAG_BLOCK_IDS_U64,
     FLAG_NO_ACK,
+    FRAME_VERSIONS,
     HEADER_NBYTES,
+    MIN_FRAME_VERSION,
     DonePayload,
     ErrorPayload,
     FrameError,
@@ -55,13 +57,16 @@ _NO_BLOCK_IDS.flags.writeable = False
 
 
 def _error_frame(token: FencingToken | None, refused: FrameType | int, layer: int,
-                 reason: str, detail: str) -> bytes:
+                 reason: str, detail: str, version: int = MIN_FRAME_VERSION) -> bytes:
+    """An ERROR at ``version``: the refused frame's, or the lowest (every sender reads it)."""
     payload = ErrorPayload(int(refused), reason, detail).encode()
-    return encode_frame(FrameType.ERROR, token, layer=layer, payload=payload)
+    return encode_frame(FrameType.ERROR, token, layer=layer, payload=payload, version=version)
 
 
-def _ack_frame(token: FencingToken, answered: FrameType) -> bytes:
-    return encode_frame(FrameType.ACK, token, payload=bytes([int(answered)]))
+def _ack_frame(token: FencingToken, answered: FrameHeader) -> bytes:
+    """The ACK of ``answered``, at its version (the one its sender speaks)."""
+    return encode_frame(FrameType.ACK, token, payload=bytes([int(answered.frame_type)]),
+                        version=answered.version)
 
 
 class _Connection:
@@ -108,6 +113,8 @@ class _Connection:
 
 class TcpKvReceiver(KvReceiver):
     """Decode side of ``tcp``: accepts senders and lands admitted layers in the KV cache."""
+
+    frame_versions: tuple[int, ...] = FRAME_VERSIONS
 
     def __init__(self, kv_cache: KvCache, owner_table: BlockOwnerTable,
                  clock: MonotonicClock = time.perf_counter,
@@ -207,7 +214,8 @@ class TcpKvReceiver(KvReceiver):
     async def _refused(self, connection: _Connection, header: FrameHeader,
                        rejection: Rejection) -> None:
         await self._reply(connection, _error_frame(
-            header.token, header.frame_type, header.layer, rejection.reason, rejection.detail))
+            header.token, header.frame_type, header.layer, rejection.reason, rejection.detail,
+            header.version))
 
     def _bind(self, connection: _Connection, token: FencingToken) -> None:
         connection.tokens.add(token)
@@ -289,18 +297,19 @@ class TcpKvReceiver(KvReceiver):
                     return True
                 self._bind(connection, token)
                 if not header.flags & FLAG_NO_ACK:
-                    await self._reply(connection, _ack_frame(token, FrameType.HELLO))
+                    await self._reply(connection, _ack_frame(token, header))
             case FrameType.DONE:
                 assert token is not None
-                done = DonePayload.decode(payload)
+                done = DonePayload.decode(payload, header.flags)
                 try:
                     self.tickets.admit_done(token, done.first_token_id, done.prefill_compute_s,
-                                            done.num_layers)
+                                            done.num_layers, frame_version=header.version,
+                                            kv_crc32=done.kv_crc32)
                 except FrameRefusedError as exc:
                     await self._refused(connection, header, exc.rejection)
                     return True
                 self._unbind(connection, token)
-                await self._reply(connection, _ack_frame(token, FrameType.DONE))
+                await self._reply(connection, _ack_frame(token, header))
             case FrameType.ABORT:
                 assert token is not None
                 reason = bytes(payload).decode("utf-8", errors="replace")

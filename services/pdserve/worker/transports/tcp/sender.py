@@ -4,6 +4,7 @@ per-ticket sender that writes its frames on it, source blocks gathered straight 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import ssl
 import time
@@ -14,6 +15,7 @@ import numpy as np
 
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
+from pdserve.worker.kv_checksums import kv_checksum
 from pdserve.worker.transports.addresses import parse_address
 from pdserve.worker.transports.base import KvSender
 from pdserve.worker.transports.block_views import coalesce_block_runs, layers_block_views
@@ -30,6 +32,7 @@ from pdserve.worker.transports.frames import (
     decode_header,
     encode_frame,
     layer_frame_prefix,
+    negotiate_frame_version,
 )
 from pdserve.worker.transports.tcp.settings import DEFAULT_TCP_SETTINGS, TcpTransportSettings
 from pdserve.worker.transports.tcp.socket_io import SocketIo, tune_socket
@@ -274,6 +277,8 @@ class TcpKvSender(KvSender):
 
     ``open`` sends HELLO and returns without waiting for an answer (NO_ACK): the layers follow
     at once. A refusal arrives as an ERROR; from then on ``offer_layer`` and ``finish`` raise.
+    Every frame of the ticket goes at the version negotiated with the destination's
+    ``frame_versions``; at version 2 DONE carries the CRC-32 of the KV sent.
     """
 
     def __init__(self, kv_cache: KvCache, clock: MonotonicClock = time.perf_counter,
@@ -289,9 +294,19 @@ class TcpKvSender(KvSender):
         self._src_key: tuple[int, ...] = ()
         self._src_ids: np.ndarray | None = None
         self._src_runs: list[tuple[int, int]] = []
+        self._version = 1
+        self._src_of_dst: dict[int, int] = {}
+        """Destination block id -> the source block offered for it (for DONE's CRC-32)."""
+        self._mapped: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    @property
+    def frame_version(self) -> int:
+        """The version this ticket's frames are written at (known once ``open`` ran)."""
+        return self._version
 
     async def open(self, dest: KvDestinationSpec, token: FencingToken) -> None:
         self._check_open(dest, token)
+        self._version = negotiate_frame_version(dest.frame_versions)
         try:
             connection = await _pool().connection(dest.kv_address, self._settings)
         except _ConnectError as exc:
@@ -307,7 +322,8 @@ class TcpKvSender(KvSender):
         layout = self.kv_cache.layout
         hello = HelloPayload(layout.num_layers, layout.block_size_tokens, layout.block_nbytes)
         await self._send([encode_frame(FrameType.HELLO, token, block_ids=self._dst_ids,
-                                       payload=hello.encode(), flags=FLAG_NO_ACK)])
+                                       payload=hello.encode(), flags=FLAG_NO_ACK,
+                                       version=self._version)])
 
     async def offer_layer(
         self, layer: int, src_block_ids: Sequence[int], dst_block_ids: Sequence[int] | None = None
@@ -333,25 +349,48 @@ class TcpKvSender(KvSender):
             self._src_runs = coalesce_block_runs(self._src_ids)
         src_ids = self._src_ids
         assert src_ids is not None
+        if self._version >= 2:
+            self._map_blocks(offers[0].src_block_ids, offers[0].dst_block_ids)
         block_nbytes = self.kv_cache.layout.block_nbytes
         views: list[bytes | memoryview] = []
         for first, count in _layer_runs(layers, len(src_ids) * block_nbytes,
                                         self._settings.multi_layer_frame_nbytes):
-            views.append(layer_frame_prefix(self._token, first, dst_wire, block_nbytes, count))
+            views.append(layer_frame_prefix(self._token, first, dst_wire, block_nbytes, count,
+                                            self._version))
             views.extend(layers_block_views(self.kv_cache, range(first, first + count), src_ids,
                                             self._src_runs))
         await self._send(views)
         for offer in offers:
             self._offered(offer)
 
+    def _map_blocks(self, src_block_ids: tuple[int, ...], dst_block_ids: tuple[int, ...]) -> None:
+        """Remember which source block went to which destination block (once per distinct
+        pair of lists: every layer of a ticket names the same ones)."""
+        if self._mapped != (src_block_ids, dst_block_ids):
+            self._mapped = (src_block_ids, dst_block_ids)
+            self._src_of_dst.update(zip(dst_block_ids, src_block_ids, strict=True))
+
+    def _sent_kv_crc32(self) -> int | None:
+        """``kv_checksum`` of the source blocks in destination order; None unless every
+        destination block was offered (the receiver refuses such a DONE anyway)."""
+        assert self._dest is not None
+        try:
+            src_ids = [self._src_of_dst[block_id] for block_id in self._dest.block_ids]
+        except KeyError:
+            return None
+        return kv_checksum(self.kv_cache, src_ids)
+
     async def finish(self, first_token_id: int, prefill_compute_s: float) -> TransferResult:
         if self._state.is_terminal or self._done_reply is None:
             self._raise_failed()
-        done = DonePayload(first_token_id, prefill_compute_s, len(self._offered_layers))
-        await self._send([encode_frame(FrameType.DONE, self._token, payload=done.encode())])
+        kv_crc32 = self._sent_kv_crc32() if self._version >= 2 else None
+        done = DonePayload(first_token_id, prefill_compute_s, len(self._offered_layers), kv_crc32)
+        await self._send([encode_frame(FrameType.DONE, self._token, payload=done.encode(),
+                                       flags=done.flags, version=self._version)])
         assert self._done_reply is not None
         await self._await_reply(self._done_reply, self._settings.reply_timeout_s)
-        return self._succeeded(first_token_id, prefill_compute_s)
+        result = self._succeeded(first_token_id, prefill_compute_s)
+        return dataclasses.replace(result, frame_version=self._version, kv_crc32=kv_crc32)
 
     async def abort(self, reason: str) -> None:
         if not self._state.is_terminal:
@@ -373,7 +412,8 @@ class TcpKvSender(KvSender):
         if connection is None or self._is_settled or connection.is_closed:
             return
         self._is_settled = True
-        frame = encode_frame(FrameType.ABORT, self._token, payload=reason.encode()[:4096])
+        frame = encode_frame(FrameType.ABORT, self._token, payload=reason.encode()[:4096],
+                             version=self._version)
         connection.io.write_detached([frame])
 
     async def _send(self, views: list[bytes | memoryview]) -> None:
