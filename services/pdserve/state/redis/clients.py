@@ -29,6 +29,18 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's master pool that waits for a free connection (``BlockingConnectionPool``)."""
 
 
+class _SentinelMaster(Redis):
+    """The master's client; ``aclose`` closes its pool and the connections to the sentinels."""
+
+    sentinel_manager: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool=True)
+        if self.sentinel_manager is not None:
+            for sentinel_client in self.sentinel_manager.sentinels:
+                await sentinel_client.aclose()
+
+
 def open_client(url: str, **options: Any) -> Any:
     """A ``redis.asyncio`` client (``Redis`` or ``RedisCluster``) for a hot-state URL.
     ``options`` are connection options (``decode_responses``, ``protocol``, ...)."""
@@ -50,9 +62,12 @@ def open_client(url: str, **options: Any) -> Any:
     sentinel = Sentinel(list(endpoint.hosts), sentinel_kwargs={
         "socket_connect_timeout": CONNECT_TIMEOUT_S, "retry": Retry(NoBackoff(), 0),
         "decode_responses": True})
-    return sentinel.master_for(
-        endpoint.master_name, connection_pool_class=_BlockingSentinelPool,
-        max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S, db=endpoint.db, **auth, **common)
+    master: _SentinelMaster = sentinel.master_for(
+        endpoint.master_name, redis_class=_SentinelMaster,
+        connection_pool_class=_BlockingSentinelPool, max_connections=MAX_CONNECTIONS,
+        timeout=POOL_WAIT_S, db=endpoint.db, **auth, **common)
+    master.sentinel_manager = sentinel
+    return master
 
 
 def is_cluster(client: Any) -> bool:
