@@ -40,28 +40,44 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
     # A failover in progress: a demoted master (READONLY), a cluster without a master for some
-    # slot (CLUSTERDOWN, MASTERDOWN, an uncovered slot), a slot being moved (TRYAGAIN), or
-    # redirections that did not settle. None of them ran the command.
+    # slot (CLUSTERDOWN, MASTERDOWN), a slot being moved (TRYAGAIN), a redirection a
+    # transaction cannot follow (MOVED, ASK: its EXEC did not run), a topology the client could
+    # not learn (uncovered slots, nodes that disagree or do not answer). None ran the command.
     redis_errors.ReadOnlyError,
     redis_errors.ClusterDownError,
     redis_errors.TryAgainError,
-    redis_errors.SlotNotCoveredError,
+    redis_errors.AskError,
     redis_errors.ClusterError,
+    redis_errors.RedisClusterException,
 )
 """Redis failures that mean "not now": callers retry them (gRPC UNAVAILABLE)."""
 
+_PROGRAMMING_ERRORS = (redis_errors.CrossSlotTransactionError, redis_errors.InvalidPipelineStack)
+
+UNBLOCKED_PREFIX = "UNBLOCKED"
+"""A blocking read (XREAD BLOCK) that its master ended by becoming a replica: nothing was read."""
+
+
+def _is_unavailable(exc: Exception) -> bool:
+    if isinstance(exc, _PROGRAMMING_ERRORS):
+        return False
+    if isinstance(exc, UNAVAILABLE_ERRORS):
+        return True
+    return isinstance(exc, redis_errors.ResponseError) and str(exc).startswith(UNBLOCKED_PREFIX)
+
 
 def store_call(method: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-    """Turn Redis connection failures and failovers in progress (``UNAVAILABLE_ERRORS``) into
-    ``UnavailableError``, which callers retry and gRPC
-    reports as UNAVAILABLE. For every Redis-backed store (these, the prefix index, the
-    rendezvous)."""
+    """Turn Redis connection failures and failovers in progress (``UNAVAILABLE_ERRORS``, an
+    unblocked read) into ``UnavailableError``, which callers retry and gRPC reports as
+    UNAVAILABLE. For every Redis-backed store (these, the prefix index, the rendezvous)."""
 
     @functools.wraps(method)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return await method(*args, **kwargs)
-        except UNAVAILABLE_ERRORS as exc:
+        except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
+            if not _is_unavailable(exc):
+                raise
             raise UnavailableError(f"state store unavailable ({type(exc).__name__})") from exc
 
     return wrapper
