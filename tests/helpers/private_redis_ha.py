@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from .private_redis import free_port
 
@@ -83,6 +84,15 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = START_
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+class _Startable(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+_SetUp = TypeVar("_SetUp", bound=_Startable)
 
 
 class _Processes:
@@ -227,9 +237,12 @@ class PrivateSentinel:
         wait_for(self._sentinels_agree, "every sentinel sees the master, the replica and peers")
 
     def _sentinels_agree(self) -> bool:
+        master = self._named_master()
+        if master is None:
+            return False
         for port in self.sentinel_ports:
             info = _info(port, "sentinel")
-            if f"address=127.0.0.1:{self.master_port()}" not in info.get("master0", ""):
+            if f"address=127.0.0.1:{master}" not in info.get("master0", ""):
                 return False
             if f"sentinels={NUM_SENTINELS}" not in info.get("master0", ""):
                 return False
@@ -238,9 +251,20 @@ class PrivateSentinel:
         return True
 
     def master_port(self) -> int:
-        reply = redis_cli(self.sentinel_ports[0], "SENTINEL", "get-master-addr-by-name",
-                          SENTINEL_MASTER_NAME, timeout_s=2.0).split()
-        return int(reply[1])
+        """The master's port as the first sentinel names it."""
+        port = self._named_master()
+        if port is None:
+            raise RuntimeError(f"sentinel {self.sentinel_ports[0]} names no master")
+        return port
+
+    def _named_master(self) -> int | None:
+        """The master's port, or None while the first sentinel does not answer (starting)."""
+        try:
+            reply = redis_cli(self.sentinel_ports[0], "SENTINEL", "get-master-addr-by-name",
+                              SENTINEL_MASTER_NAME, timeout_s=2.0).split()
+            return int(reply[1])
+        except (subprocess.SubprocessError, OSError, IndexError, ValueError):
+            return None
 
     def fail_over(self) -> int:
         """``SENTINEL FAILOVER``: the replica is promoted; returns the new master's port once
@@ -248,7 +272,7 @@ class PrivateSentinel:
         old = self.master_port()
         new = next(p for p in self.server_ports if p != old)
         redis_cli(self.sentinel_ports[0], "SENTINEL", "FAILOVER", SENTINEL_MASTER_NAME)
-        wait_for(lambda: self.master_port() == new, "the sentinels naming the new master")
+        wait_for(lambda: self._named_master() == new, "the sentinels naming the new master")
         wait_for(lambda: _info(old, "replication").get("master_link_status") == "up",
                  "the old master rejoining as a replica", timeout_s=60.0)
         return new
@@ -257,12 +281,24 @@ class PrivateSentinel:
         self._processes.stop_all()
 
 
+def _started(make: Callable[[], _SetUp]) -> _SetUp:
+    """A started set-up, each try in its own folder; tried once more on fresh ports if a port
+    was taken between choosing and binding it."""
+    setup = make()
+    try:
+        setup.start()
+    except (RuntimeError, subprocess.SubprocessError):
+        setup.stop()
+        setup = make()
+        setup.start()
+    return setup
+
+
 @contextmanager
 def private_redis_cluster() -> Iterator[PrivateRedisCluster]:
     with tempfile.TemporaryDirectory(prefix="pdserve-cluster-") as directory:
-        cluster = PrivateRedisCluster(Path(directory))
+        cluster = _started(lambda: PrivateRedisCluster(Path(tempfile.mkdtemp(dir=directory))))
         try:
-            cluster.start()
             yield cluster
         finally:
             cluster.stop()
@@ -271,9 +307,8 @@ def private_redis_cluster() -> Iterator[PrivateRedisCluster]:
 @contextmanager
 def private_sentinel() -> Iterator[PrivateSentinel]:
     with tempfile.TemporaryDirectory(prefix="pdserve-sentinel-") as directory:
-        sentinel = PrivateSentinel(Path(directory))
+        sentinel = _started(lambda: PrivateSentinel(Path(tempfile.mkdtemp(dir=directory))))
         try:
-            sentinel.start()
             yield sentinel
         finally:
             sentinel.stop()

@@ -43,3 +43,24 @@ async def test_failovers_in_progress_are_unavailable(exc: Exception) -> None:
 async def test_other_redis_errors_pass_through(exc: Exception) -> None:
     with pytest.raises(type(exc)):
         await _call_raising(exc)
+
+
+async def test_a_connection_torn_down_inside_redis_py_is_unavailable() -> None:
+    """redis-py 8.1's cluster client may close a connection another command is connecting on;
+    the AttributeError that follows is raised in its connection module, before anything is
+    sent. An AttributeError anywhere else is a bug and passes through."""
+    as_redis_py: dict[str, object] = {"__name__": "redis.asyncio.connection"}
+    exec("def write(writer):\n    writer.writelines([b'PING'])\n", as_redis_py)  # noqa: S102
+
+    @store_call
+    async def torn_down() -> None:
+        as_redis_py["write"](None)  # type: ignore[operator]
+
+    @store_call
+    async def buggy() -> None:
+        None.writelines([])  # type: ignore[attr-defined]
+
+    with pytest.raises(UnavailableError):
+        await torn_down()
+    with pytest.raises(AttributeError):
+        await buggy()

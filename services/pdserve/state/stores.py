@@ -2,7 +2,7 @@
 
 ``memory://`` gives the in-process backend (one process: ``pdserve up``, tests); a Redis URL
 gives the shared Redis backend (one node, a Redis Cluster or a Sentinel master: the URL forms are
-in ``pdserve.state.redis.clients``), its prefix index, and a raw client for the services that
+in ``pdserve.common.redis_url``), its prefix index, and a raw client for the services that
 keep their own keys beside them (leases, the coordinator's rendezvous).
 """
 

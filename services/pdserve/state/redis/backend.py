@@ -6,6 +6,8 @@ import dataclasses
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from pdserve.common.errors import ConfigError
 from pdserve.common.redis_url import SENTINEL_SCHEME, parse_endpoint
@@ -47,13 +49,15 @@ class RedisStateBackend:
         cls, url: str, clock: Clock, options: StateOptions | None = None
     ) -> RedisStateBackend:
         """A client for ``url`` (one node, a cluster or a Sentinel master, see
-        ``pdserve.state.redis.clients``) with RESP2 replies, string decoding and no automatic
-        retries. A Sentinel URL's ``replica_acks`` overrides ``options``'."""
+        ``pdserve.common.redis_url``) with RESP2 replies, string decoding and no automatic
+        retries (a retried script may already have run). A Sentinel URL's ``replica_acks``
+        overrides the one in ``options``."""
         options = options or StateOptions()
         if url.lower().startswith(f"{SENTINEL_SCHEME}://"):
             acks = parse_endpoint(url).replica_acks
             options = dataclasses.replace(options, replica_acks=acks) if acks else options
-        return cls(open_client(url, decode_responses=True, protocol=2), clock, options)
+        client = open_client(url, decode_responses=True, protocol=2, retry=Retry(NoBackoff(), 0))
+        return cls(client, clock, options)
 
     async def ping(self) -> bool:
         try:

@@ -58,7 +58,23 @@ UNBLOCKED_PREFIX = "UNBLOCKED"
 """A blocking read (XREAD BLOCK) that its master ended by becoming a replica: nothing was read."""
 
 
+def _is_torn_down_connection(exc: Exception) -> bool:
+    """An ``AttributeError`` raised inside redis-py's connection code: redis-py 8.1's cluster
+    client can tear a connection down (handling another command's failure during a failover)
+    while a command is connecting on it, which then writes to a closed socket (``None``). The
+    command was not sent."""
+    if not isinstance(exc, AttributeError):
+        return False
+    innermost = exc.__traceback__
+    while innermost is not None and innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    module = innermost.tb_frame.f_globals.get("__name__", "") if innermost else ""
+    return str(module).startswith("redis.asyncio.connection")
+
+
 def _is_unavailable(exc: Exception) -> bool:
+    if _is_torn_down_connection(exc):
+        return True
     if isinstance(exc, _PROGRAMMING_ERRORS):
         return False
     if isinstance(exc, UNAVAILABLE_ERRORS):
@@ -75,7 +91,8 @@ def store_call(method: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, 
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return await method(*args, **kwargs)
-        except (redis_errors.RedisError, redis_errors.RedisClusterException) as exc:
+        except (redis_errors.RedisError, redis_errors.RedisClusterException,
+                AttributeError) as exc:
             if not _is_unavailable(exc):
                 raise
             raise UnavailableError(f"state store unavailable ({type(exc).__name__})") from exc

@@ -1,9 +1,13 @@
 """Redis clients for a hot-state URL: one node, a Redis Cluster, or a master behind Sentinel
 (the URL forms: ``pdserve.common.redis_url``).
 
-Every client waits for a free connection when all are busy instead of failing at once, and
-never retries a command by itself (a retried script may already have run); a cluster client
-still follows ``MOVED``/``ASK`` redirections, which are answered before a command runs.
+Every client waits for a free connection when all are busy instead of failing at once:
+redis-py's default asyncio pool (100 connections since 8.x) fails the 101st concurrent command
+at once with ``MaxConnectionsError``; a burst of a few hundred requests makes the coordinator hit
+that, and ticket opens, progress reports and releases then fail as UNAVAILABLE (seen in the
+multi-process e2e test). A blocking pool queues them instead. (A cluster client keeps one pool
+per node, which does fail past ``MAX_CONNECTIONS``: redis-py has no blocking variant.) A cluster
+client follows ``MOVED``/``ASK`` redirections itself: they are answered before a command runs.
 """
 
 from __future__ import annotations
@@ -43,10 +47,9 @@ class _SentinelMaster(Redis):
 
 def open_client(url: str, **options: Any) -> Any:
     """A ``redis.asyncio`` client (``Redis`` or ``RedisCluster``) for a hot-state URL.
-    ``options`` are connection options (``decode_responses``, ``protocol``, ...)."""
+    ``options`` are connection options (``decode_responses``, ``protocol``, ``retry``, ...)."""
     scheme = url.partition("://")[0].lower()
-    common: dict[str, Any] = {"retry": Retry(NoBackoff(), 0),
-                              "socket_connect_timeout": CONNECT_TIMEOUT_S, **options}
+    common: dict[str, Any] = {"socket_connect_timeout": CONNECT_TIMEOUT_S, **options}
     if scheme in SINGLE_SCHEMES:
         pool = BlockingConnectionPool.from_url(
             url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S, **common)
