@@ -86,6 +86,13 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = START_
         time.sleep(0.05)
 
 
+def _has_synced_replica(master_port: int) -> bool:
+    """The master's one replica has finished its initial sync (``state=online``): until then a
+    failover to it may lose what the master acknowledged."""
+    info = _info(master_port, "replication")
+    return info.get("connected_slaves") == "1" and "state=online" in info.get("slave0", "")
+
+
 class _Startable(Protocol):
     def start(self) -> None: ...
 
@@ -127,7 +134,7 @@ class _Processes:
 
 def _server_args(port: int, directory: Path) -> list[str]:
     return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(directory), "--daemonize", "no"]
+            "--dir", str(directory), "--daemonize", "no", "--repl-diskless-sync-delay", "0"]
 
 
 class PrivateRedisCluster:
@@ -170,7 +177,7 @@ class PrivateRedisCluster:
                 return False
         masters = self.master_ports()
         return len(masters) == NUM_CLUSTER_MASTERS and all(
-            _info(p, "replication").get("connected_slaves") == "1" for p in masters)
+            _has_synced_replica(p) for p in masters)
 
     def master_ports(self) -> list[int]:
         return sorted(p for p in self._processes.by_port
@@ -224,8 +231,7 @@ class PrivateSentinel:
         self._processes.start(master, *_server_args(master, directory))
         self._processes.start(replica, *_server_args(replica, directory),
                               "--replicaof", "127.0.0.1", str(master))
-        wait_for(lambda: _info(replica, "replication").get("master_link_status") == "up",
-                 "replica in sync")
+        wait_for(lambda: _has_synced_replica(master), "replica in sync")
         for port in self.sentinel_ports:
             config = directory / f"sentinel-{port}.conf"
             config.write_text(
