@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import pytest
 from helpers import LedgerModelMachine, StepClock
+from helpers.private_redis_ha import private_redis_cluster, private_sentinel
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
+from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from pdserve.common.errors import (
@@ -76,9 +78,30 @@ async def _delete_prefix(backend: RedisStateBackend) -> None:
         await backend.client.delete(*keys)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(scope="module")
+def redis_cluster_url() -> Iterator[str]:
+    """A private Redis Cluster (3 masters + 3 replicas) for this module."""
+    with private_redis_cluster() as cluster:
+        yield cluster.url
+
+
+@pytest.fixture(scope="module")
+def redis_sentinel_url() -> Iterator[str]:
+    """A private master + replica behind three sentinels, for this module."""
+    with private_sentinel() as sentinel:
+        yield sentinel.url
+
+
+_URL_FIXTURE = {"redis": "redis_url", "cluster": "redis_cluster_url",
+                "sentinel": "redis_sentinel_url"}
+
+
+@pytest.fixture(params=["memory", "redis", "cluster", "sentinel"])
 def state_url(request: pytest.FixtureRequest) -> str | None:
-    return request.getfixturevalue("redis_url") if request.param == "redis" else None
+    """Every backend: in-process, one Redis, a Redis Cluster, a Sentinel-managed master."""
+    if request.param == "memory":
+        return None
+    return str(request.getfixturevalue(_URL_FIXTURE[request.param]))
 
 
 @pytest.fixture
@@ -769,6 +792,15 @@ def test_open_backend_picks_by_scheme() -> None:
     assert isinstance(open_backend(None, clock), MemoryStateBackend)
     assert isinstance(open_backend("memory://", clock), MemoryStateBackend)
     assert isinstance(open_backend("redis://127.0.0.1:1/0", clock), RedisStateBackend)
+    cluster = open_backend("redis+cluster://127.0.0.1:1,127.0.0.1:2", clock)
+    assert isinstance(cluster, RedisStateBackend) and isinstance(cluster.client, RedisCluster)
+    sentinel = open_backend("redis+sentinel://127.0.0.1:1/mymaster/2?replica_acks=1", clock)
+    assert isinstance(sentinel, RedisStateBackend)
+    assert sentinel.client.connection_pool.service_name == "mymaster"
+    with pytest.raises(ConfigError, match="replica_acks"):
+        open_backend("redis+cluster://127.0.0.1:1", clock, StateOptions(replica_acks=1))
+    with pytest.raises(ConfigError, match="PDSERVE_REDIS_URL"):
+        open_backend("redis+sentinel://127.0.0.1:1", clock)
     with pytest.raises(ConfigError):
         open_backend("postgres://x", clock)
     with pytest.raises(ConfigError):

@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
+from pdserve.common.errors import ConfigError
+from pdserve.common.redis_url import parse_endpoint
+
 T = TypeVar("T")
 E = TypeVar("E", bound=enum.Enum)
 
@@ -233,8 +236,28 @@ def url(*schemes: str, needs_host: Sequence[str] = ()) -> Parser[str]:
     return Parser(f"a URL starting with one of {listed}", parse)
 
 
-REDIS_URL: Parser[str] = url("redis", "rediss", "memory", needs_host=("redis", "rediss"))
-"""Hot-state store: ``redis://``/``rediss://`` (TLS), or ``memory://`` for the in-process store."""
+_SINGLE_REDIS_URL = url("redis", "rediss", "memory", needs_host=("redis", "rediss"))
+
+
+def _parse_redis_url(raw: str) -> str:
+    text = raw.strip()
+    scheme = text.partition("://")[0].lower()
+    if scheme in ("redis+cluster", "redis+sentinel"):
+        try:
+            parse_endpoint(text)
+        except ConfigError as exc:
+            raise ValueError(raw) from exc
+        return text
+    return _SINGLE_REDIS_URL.parse(text)
+
+
+REDIS_URL: Parser[str] = Parser(
+    "a URL starting with one of redis://, rediss://, memory://, "
+    "redis+cluster://host:port[,host:port...], "
+    "redis+sentinel://host:port[,host:port...]/<master_name>[/db]", _parse_redis_url)
+"""Hot-state store: ``redis://``/``rediss://`` (TLS), a Redis Cluster
+(``redis+cluster://``), a master behind Sentinel (``redis+sentinel://``), or ``memory://`` for the
+in-process store (``pdserve.common.redis_url``)."""
 
 DATABASE_URL: Parser[str] = url("postgresql+psycopg", "postgresql", "sqlite")
 """Durable store as a SQLAlchemy URL: Postgres through psycopg 3, or SQLite for one machine."""

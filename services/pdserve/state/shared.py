@@ -26,7 +26,10 @@ class StateOptions:
     whole stream nodes, so it may keep up to ~100 more). ``ticket_index_ttl_s``: lifetime of the
     Redis id -> decode worker index of a live ticket (a held sequence older than this can no
     longer be released by token; reconciliation frees its blocks once the worker stops
-    reporting it).
+    reporting it). ``replica_acks``: Redis only; every script (and the ticket open) is
+    acknowledged only once this many replicas have it (``WAIT``), so a failover to one of them
+    loses no acknowledged write; fewer acknowledgements within ``replica_ack_timeout_s`` make the
+    call fail as unavailable (its outcome unknown). 0 = asynchronous replication.
     """
 
     key_prefix: str = "pdserve"
@@ -34,18 +37,23 @@ class StateOptions:
     reconcile_grace_s: float = 30.0
     stream_max_len: int = 10_000
     ticket_index_ttl_s: float = 86_400.0
+    replica_acks: int = 0
+    replica_ack_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.key_prefix or any(c in self.key_prefix for c in "{}: \t\n"):
             raise ConfigError(
                 f"key_prefix: non-empty, without braces, colons or spaces, got {self.key_prefix!r}"
             )
-        for name in ("ticket_retention_s", "reconcile_grace_s", "ticket_index_ttl_s"):
+        for name in ("ticket_retention_s", "reconcile_grace_s", "ticket_index_ttl_s",
+                     "replica_ack_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name}: a finite number >= 0, got {value!r}")
         if self.stream_max_len < 1:
             raise ConfigError(f"stream_max_len: >= 1, got {self.stream_max_len}")
+        if self.replica_acks < 0:
+            raise ConfigError(f"replica_acks: >= 0, got {self.replica_acks}")
 
 
 class BlockHolding(enum.StrEnum):

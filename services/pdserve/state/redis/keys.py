@@ -20,6 +20,33 @@ scripts run unchanged on Redis Cluster::
     <p>:tokenizer:bundle:S      hash  tokenizer bundle with digest S, PEXPIRE'd by touch
     <p>:threshold:published     hash  local-prefill threshold in force per deployment
                                       ('t:D'), publication count ('v:D')
+
+Beside them, on the same URL (their modules own the names)::
+
+    <p>:prefix:D:W                      set   prefix hashes worker W holds (prefix_index)
+    <p>:experts:{D|R}:reports           list  expert-load reports of one pool (expert_loads)
+    <p>:experts:pools                   set   pools with reports
+    <p>:rendezvous:T:A                  str   a ticket attempt's destination, plus a pub/sub
+                                              channel of the same name (kv_transfer.rendezvous)
+    <p>:lease:{N}, <p>:lease:{N}:epoch  str   leadership lease N and its fencing counter
+                                              (common.leadership)
+
+Slots, on a Redis Cluster: what must change atomically shares a slot, nothing else does.
+- One decode worker's ledger, leases, ticket index and tickets share ``{w:W}``: opening a
+  ticket reserves blocks of that ledger, and reaping, reconciling or dropping the worker touches
+  all of its tickets, each in one script. Tickets of different workers never share a script.
+- One deployment's change-stream meta and stream share ``{d:D}`` (a publish counts and appends
+  in one script); a lease and its counter share ``{N}``; each other key is alone in its script
+  or transaction (worker records, tokenizer bundles, a pool's expert reports, prefix sets,
+  the published thresholds: one hash that one script writes).
+- Everything else is untagged so it spreads over every master: a ticket's id index by ticket,
+  worker records by worker, and workers' ledgers by their own tags. The few global sets (workers
+  with ledgers or tickets, deployments, expert pools) are each one key written with plain
+  commands beside a script, never inside one; like all hot state they are rebuilt from
+  heartbeats after a loss.
+- Multi-key pipelines (a worker upsert, listings) are not transactions: a cluster client splits
+  them per node, and nothing relies on them being atomic.
+The prefix itself may not carry a hash tag (``StateOptions``): it would put every key in one slot.
 """
 
 from __future__ import annotations

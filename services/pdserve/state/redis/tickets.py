@@ -196,13 +196,20 @@ class RedisTicketLedger:
             pipe.set(owner_key, worker_id, px=to_ms(self._options.ticket_index_ttl_s), nx=True)
             pipe.sadd(self._keys.ticket_workers(), worker_id)
             self._scripts.queue(pipe, "open", keys, args)
-            is_new, _, reply = await pipe.execute(raise_on_error=False)
+            if self._scripts.queue_replica_wait(pipe):
+                is_new, _, reply, num_acked = await pipe.execute(raise_on_error=False)
+            else:
+                (is_new, _, reply), num_acked = await pipe.execute(raise_on_error=False), None
         try:
             if isinstance(reply, redis_errors.NoScriptError):  # a restarted or flushed Redis
                 reply = await self._scripts("open", keys, args)
             elif isinstance(reply, BaseException):
                 raise reply
+            elif num_acked is not None:
+                self._scripts.check_replica_acks(num_acked)
             fields = unwrap_reply(reply)
+        except UnavailableError:
+            raise  # the ticket may exist (and be kept): its index stays, its lease ends it
         except BaseException:
             if is_new is True:
                 with contextlib.suppress(redis_errors.RedisError):
