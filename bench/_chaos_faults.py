@@ -10,7 +10,10 @@ Faults (``FAULTS``):
 - ``kill_coordinator``, ``kill_prefill_pool``, ``kill_decode_pool``, ``kill_router``: kill -9 of
   one replica (restarted on its port);
 - ``kill_governor``: kill -9 of the active governor (the lease holder); the standby takes over;
-- ``redis_restart``: every soft-state key gone; nothing else restarted;
+- ``redis_restart``: every soft-state key gone; nothing else restarted; on a Redis Cluster
+  (``ChaosConfig.state``), kill -9 of a random master instead: its replica takes over (what the
+  master had not replicated is lost) and the node rejoins as a replica;
+- ``redis_failover`` (Redis Cluster only): a graceful ``CLUSTER FAILOVER`` of a random master;
 - ``stall_transfer``: SIGSTOP of the clock-skewed prefill worker (when there is one) caught while
   sending KV, for three ticket leases, then SIGCONT: its socket freezes mid-transfer, the lease
   lapses on the coordinator's clock, the request is retried, its late frames must not land;
@@ -75,6 +78,14 @@ CONTROL_PLANE_FAULTS = ("kill_coordinator", "kill_prefill_pool", "kill_decode_po
                         "kill_router", "kill_governor")
 FAULTS = (*WORKER_FAULTS, *CONTROL_PLANE_FAULTS, "redis_restart", "stall_transfer",
           "stall_prefill_loop", "rolling_restart")
+CLUSTER_FAULTS = (*FAULTS, "redis_failover")
+"""On ``--state redis-cluster``: ``redis_restart`` is a master's crash, and a graceful failover
+of another joins the list."""
+STATES = ("redis", "redis-cluster")
+
+
+def faults_for(state: str) -> tuple[str, ...]:
+    return CLUSTER_FAULTS if state == "redis-cluster" else FAULTS
 CUTTING_FAULTS = frozenset({"kill_decode_decoding", "kill_router", "rolling_restart"})
 """Faults that kill what carries streams past their first token (failover and client resume
 should keep every one of those streams whole)."""
@@ -189,8 +200,12 @@ class Injector:
                 await self._kill_governor(record)
             elif name in CONTROL_PLANE_FAULTS:
                 await self._kill_replica(record, name.removeprefix("kill_"))
+            elif name == "redis_restart" and self.stack.cluster is not None:
+                await self._fail_over_redis(record, crash=True)
             elif name == "redis_restart":
                 await self._restart_redis(record)
+            elif name == "redis_failover":
+                await self._fail_over_redis(record, crash=False)
             elif name == "stall_transfer":
                 await self._stall_transfer(record)
             elif name == "stall_prefill_loop":
@@ -305,6 +320,29 @@ class Injector:
             record.error = "no request started after the restart completed within 60s"
         else:
             record.details["first_success_s"] = round(success_s, 2)
+
+    async def _fail_over_redis(self, record: FaultRecord, *, crash: bool) -> None:
+        cluster = self.stack.cluster
+        if cluster is None:
+            record.error = "needs a Redis Cluster (--state redis-cluster)"
+            return
+        masters = await asyncio.to_thread(cluster.master_ports)
+        victim = masters[self.rng.randrange(len(masters))]
+        record.victim = f"redis master :{victim}"
+        record.injected_s = time.monotonic()
+        if crash:
+            promoted = await asyncio.to_thread(cluster.crash, victim, self._delay())
+        else:
+            promoted = await asyncio.to_thread(cluster.fail_over, victim)
+        back = time.monotonic()
+        record.details["new_master"] = promoted
+        record.details["failover_s"] = round(back - record.injected_s, 2)
+        success_s = await self.load.wait_for_success_after(back)
+        if success_s is None:
+            record.error = "no request started after the failover completed within 60s"
+            return
+        record.details["first_success_s"] = round(success_s, 2)
+        await self._recover(record)
 
     async def _stall_transfer(self, record: FaultRecord) -> None:
         services = self.stack.services

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "tests") not in sys.path:
@@ -37,6 +38,7 @@ from e2e.faults import (
 )
 from helpers.private_postgres import PrivatePostgres
 from helpers.private_redis import PrivateRedis
+from helpers.private_redis_ha import PrivateRedisCluster
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
@@ -81,6 +83,9 @@ class ChaosConfig:
     (0 = no skewed workers)."""
     is_private_postgres: bool = True
     """Start a PostgreSQL of our own (needed to take it down); else use the URL given."""
+    state: str = "redis"
+    """Hot state: ``redis`` (one private node) or ``redis-cluster`` (a private Redis Cluster
+    of three masters and three replicas)."""
 
     @property
     def pool_args(self) -> tuple[str, ...]:
@@ -103,6 +108,7 @@ class ChaosStack:
         self.work_dir = work_dir
         self.processes: list[ServiceProcess] = processes if processes is not None else []
         self.redis: PrivateRedis | None = None
+        self.cluster: PrivateRedisCluster | None = None
         self.postgres: PrivatePostgres | None = None
         self.database_url = ""
         self.spool_dir = work_dir / "spool"
@@ -117,9 +123,16 @@ class ChaosStack:
         """Private Redis (and PostgreSQL unless ``database_url``), then the services; returns once
         every router sees every worker READY."""
         config = self.config
-        self.redis = PrivateRedis(self.work_dir / "redis")
-        (self.work_dir / "redis").mkdir()
-        self.redis.start()
+        if config.state == "redis-cluster":
+            (self.work_dir / "redis-cluster").mkdir()
+            self.cluster = PrivateRedisCluster(self.work_dir / "redis-cluster")
+            self.cluster.start()
+            redis_url = self.cluster.url
+        else:
+            self.redis = PrivateRedis(self.work_dir / "redis")
+            (self.work_dir / "redis").mkdir()
+            self.redis.start()
+            redis_url = self.redis.url
         if database_url is None:
             assert config.is_private_postgres
             pg_dir = self.work_dir / "postgres"
@@ -135,7 +148,7 @@ class ChaosStack:
         self.database_url = database_url
         num_skewed = 1 if config.clock_skew_s else 0
         self.stack = build_stack(
-            self.processes, self.redis.url, database_url, num_replicas=config.num_replicas,
+            self.processes, redis_url, database_url, num_replicas=config.num_replicas,
             num_routers=config.num_routers, num_prefill=config.num_prefill - num_skewed,
             num_decode=config.num_decode - num_skewed, pool_args=config.pool_args,
             router_args=config.router_args, worker_args=config.worker_args,
@@ -176,6 +189,8 @@ class ChaosStack:
                 self.postgres.stop()
         if self.redis is not None:
             self.redis.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -215,8 +230,16 @@ class ChaosStack:
         """Pid of the governor holding the active lease (holder ``host:pid:...``)."""
         import redis
 
-        assert self.redis is not None
-        client = redis.Redis.from_url(self.redis.url, socket_timeout=2)
+        client: Any
+        if self.cluster is not None:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port)
+                                                 for port in self.cluster.ports],
+                                  socket_timeout=2)
+        else:
+            assert self.redis is not None
+            client = redis.Redis.from_url(self.redis.url, socket_timeout=2)
         try:
             value = client.get(GOVERNOR_LEASE_KEY)
         finally:

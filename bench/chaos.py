@@ -28,8 +28,13 @@ workers count too. Last, goodput at 1x and 3x capacity (``bench/overload.measure
 a ``pdserve up`` stack of its own with the sim GPUs as the bottleneck).
 
     python bench/chaos.py [--quick] [--seed 1] [--rate 6] [--min-accepted 1000] [--faults a,b]
+                          [--state redis|redis-cluster]
 
-Progress goes to stderr. Last line: JSON with accepted, completed, failed_clean, hung,
+``--state redis-cluster`` runs the same list on a private Redis Cluster (3 masters + 3
+replicas): ``redis_restart`` is then kill -9 of a master (its replica takes over, the node
+rejoins as a replica) and ``redis_failover`` (a graceful CLUSTER FAILOVER) joins the list.
+
+Progress goes to stderr. Last line: JSON with redis_mode, accepted, completed, failed_clean, hung,
 truncated, duplicated_tokens, resumed_by_client, leaked_blocks, late_writes_accepted,
 redis_recovery_s, failed_during_scale_down,
 goodput_1x, goodput_3x (and more).
@@ -46,10 +51,12 @@ import time
 from pathlib import Path
 
 from _chaos_faults import (
-    FAULTS,
+    CLUSTER_FAULTS,
+    STATES,
     ChaosPlan,
     ChaosResult,
     FaultRecord,
+    faults_for,
     has_problems,
     run_chaos,
     save_logs,
@@ -220,15 +227,20 @@ def main() -> None:
     parser.add_argument("--num-decode", type=int, default=2)
     parser.add_argument("--faults", default="",
                         help="comma-separated subset of the fault list (default: all of "
-                        f"{', '.join(FAULTS)})")
+                        f"{', '.join(CLUSTER_FAULTS)}; redis_failover on a cluster only)")
+    parser.add_argument("--state", choices=STATES, default="redis",
+                        help="hot state: one private Redis node, or a private Redis Cluster "
+                        "(3 masters + 3 replicas; redis_restart then crashes a master)")
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput runs")
     parser.add_argument("--logs-dir", default="",
                         help="write every process's output here (always done, to a new temporary "
                         "folder, when a must-be-zero figure is not)")
     args = parser.parse_args()
-    faults = tuple(name for name in args.faults.split(",") if name) or FAULTS
-    if unknown := sorted(set(faults) - set(FAULTS)):
-        parser.error(f"--faults: unknown {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+    known = faults_for(args.state)
+    faults = tuple(name for name in args.faults.split(",") if name) or known
+    if unknown := sorted(set(faults) - set(known)):
+        parser.error(f"--faults: unknown {', '.join(unknown)} on --state {args.state} "
+                     f"(known: {', '.join(known)})")
     quick = args.quick
     plan = ChaosPlan(
         rate_rps=args.rate or (4.0 if quick else 6.0),
@@ -242,7 +254,8 @@ def main() -> None:
         scale_down_hold_s=3.0 if quick else 8.0,
         seed=args.seed,
     )
-    config = ChaosConfig(num_prefill=args.num_prefill, num_decode=args.num_decode)
+    config = ChaosConfig(num_prefill=args.num_prefill, num_decode=args.num_decode,
+                         state=args.state)
     began = time.monotonic()
     log(f"plan {plan}")
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as work:
@@ -272,7 +285,8 @@ def main() -> None:
                                             duration_s=8.0 if quick else 20.0))
     c = result.counts
     not_injected = sorted({f.name for f in result.faults if f.error and not f.injected_s})
-    print(f"pdserve chaos ({'quick' if quick else 'full'} run, seed {plan.seed}): "
+    print(f"pdserve chaos ({'quick' if quick else 'full'} run, seed {plan.seed}, hot state "
+          f"{config.state}): "
           f"{config.num_routers} routers, {config.num_replicas} coordinators, "
           f"{config.num_replicas} pool managers per role, {config.num_governors} governors, "
           f"{config.num_prefill} prefill + {config.num_decode} decode sim workers (one of each "
@@ -308,6 +322,7 @@ def main() -> None:
         return None if value is None or math.isnan(value) else round(value, digits)
 
     print(json.dumps({
+        "redis_mode": config.state,
         "accepted": c.accepted,
         "completed": c.completed,
         "failed_clean": c.failed_clean,

@@ -199,6 +199,23 @@ class PrivateRedisCluster:
                  f"replica {replica} promoted")
         return replica
 
+    def crash(self, master_port: int, down_s: float = 0.0) -> int:
+        """kill -9 of a master: its replica takes over once the cluster has marked it failed
+        (``--cluster-node-timeout``), then, ``down_s`` later, the node starts again on its
+        port with its own cluster config and rejoins as the new master's replica. Writes the
+        master had acknowledged but not yet replicated are lost. Returns the new master."""
+        replica = self.replica_of(master_port)
+        self._processes.kill(master_port)
+        wait_for(lambda: _info(replica, "replication").get("role") == "master",
+                 f"replica {replica} promoted after its master was killed")
+        time.sleep(down_s)
+        directory = self._processes.directory
+        self._processes.start(
+            master_port, *_server_args(master_port, directory), "--cluster-enabled", "yes",
+            "--cluster-config-file", f"nodes-{master_port}.conf", "--cluster-node-timeout", "2000")
+        wait_for(self.is_healthy, f"node {master_port} back as a synced replica")
+        return replica
+
     def stop(self) -> None:
         self._processes.stop_all()
 
