@@ -61,7 +61,7 @@ from _chaos_faults import (
     run_chaos,
     save_logs,
 )
-from _chaos_load import overlapping
+from _chaos_load import is_refused, overlapping
 from _chaos_stack import ChaosConfig, ChaosStack, log
 
 
@@ -305,6 +305,12 @@ def main() -> None:
             print(f"  {outcome.request_id} {outcome.code} after {outcome.num_tokens} tokens, "
                   f"{outcome.num_tries} tries, at {outcome.started_s - result.started_s:.1f}s:"
                   f" {outcome.detail[:120]}")
+    refused = [o for o in result.outcomes if is_refused(o)]
+    if refused:
+        print(f"\nrefused at admission ({len(refused)}; first 10):")
+        for outcome in refused[:10]:
+            print(f"  {outcome.request_id} at {outcome.started_s - result.started_s:.1f}s: "
+                  f"{outcome.detail[:120]}")
     if result.audit is not None and not result.audit.is_ok:
         from pdserve.cli.audit import format_report
         print("\naudit:\n" + format_report(result.audit))

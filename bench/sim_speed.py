@@ -7,7 +7,13 @@ shows the measured prefill busy fraction and decode batch-slot use). The baselin
 only reads the same requests the way the simulator's arrival loop does, so the ratio shows what
 simulating costs over touching each request. The last line is one JSON object.
 
-    python bench/sim_speed.py [--trace PATH] [--duration-s 600] [--repeat 2]
+    python bench/sim_speed.py [--trace PATH] [--duration-s 600] [--repeat 2] [--mooncake PATH]
+
+Then the Mooncake conversation trace (``<repo>/../shared/data/traces/
+mooncake_fast25_conversation_trace.jsonl``: long prompts, prefix hashes) at its own timestamps
+on a 6 prefill + 3 decode cluster of the same instances, with each prefill instance's prefix
+cache on: ``sim_requests_per_s_mooncake``. ``dynamo_replay_requests_per_s_mooncake`` (Dynamo's
+``dynamo.replay`` on the same trace and shape) is null: running it is not wired here yet.
 
 Without the trace (``<repo>/../shared/data/traces/azure_llm_2023_conv.csv``) a synthetic
 Poisson trace with the conversation trace's mean lengths is used, and the output says so.
@@ -29,6 +35,12 @@ from pdserve.sim.traces import LengthSpec, Trace, load_trace, rate_scale, synthe
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
+MOONCAKE_TRACE = (ROOT.parent / "shared" / "data" / "traces"
+                  / "mooncake_fast25_conversation_trace.jsonl")
+MOONCAKE_SHAPE = (6, 3)
+"""Prefill and decode instances of the Mooncake replay."""
+MOONCAKE_PREFIX_CACHE_BLOCKS = 65_536
+"""Prefix-cache LRU per prefill instance, in engine blocks (1M tokens at 16 per block)."""
 NUM_INSTANCES = 125
 TP_SIZE = 8
 MODEL = "llama-3.1-70b"
@@ -74,6 +86,33 @@ def load_source(path: Path) -> tuple[Trace, str]:
                            output=LengthSpec(211, 0.8, 1, 1000)), "synthetic (" + note + ")"
 
 
+def replay_mooncake(path: Path, instance: InstanceModel, repeat: int) -> int | None:
+    """Simulated requests per wall second of the Mooncake trace at its own timestamps on the
+    6P+3D cluster (best of ``repeat``); None when the trace is missing."""
+    if not path.is_file():
+        print(f"\nmooncake: {path.name} not found: skipped", file=sys.stderr)
+        return None
+    trace = load_trace(path, "mooncake")
+    num_prefill, num_decode = MOONCAKE_SHAPE
+    config = SimConfig(ClusterSpec(num_prefill, num_decode, model=MODEL, gpu=GPU,
+                                   tp_size=TP_SIZE,
+                                   prefix_cache_blocks=MOONCAKE_PREFIX_CACHE_BLOCKS),
+                       slo=SloSpec(ttft_ms=2000, tpot_ms=100))
+    best = min((simulate(trace, config, instance=instance) for _ in range(repeat)),
+               key=lambda result: result.wall_s)
+    rps = trace.num_requests / best.wall_s
+    print(f"\nmooncake: {path.name}, {trace.num_requests:,} requests over "
+          f"{trace.duration_s:,.0f} s at its own timestamps (mean prompt "
+          f"{float(np.mean(trace.prompt_tokens)):,.0f} tokens, prefix hashes "
+          f"{'yes' if trace.has_prefix_hashes else 'no'}) on {num_prefill}P+{num_decode}D "
+          f"{MODEL} TP{TP_SIZE}, prefix cache {MOONCAKE_PREFIX_CACHE_BLOCKS:,} blocks per "
+          f"prefill instance")
+    print(f"  simulated in {best.wall_s:.2f} s wall: {rps:,.0f} requests/s, "
+          f"{best.num_events / trace.num_requests:.1f} events per request, SLO attainment "
+          f"{best.attainment():.1%}; dynamo.replay: not run (not wired here yet)")
+    return round(rps)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -81,6 +120,9 @@ def main() -> int:
                         help="simulated seconds of the rate-scaled trace to replay")
     parser.add_argument("--utilization", type=float, default=0.7)
     parser.add_argument("--repeat", type=int, default=2, help="runs; the best is reported")
+    parser.add_argument("--mooncake", type=Path, default=MOONCAKE_TRACE,
+                        help="Mooncake-format trace replayed on a 6P+3D cluster (skipped if "
+                        "missing)")
     args = parser.parse_args()
 
     source, source_name = load_source(args.trace)
@@ -139,8 +181,11 @@ def main() -> int:
           f"{best.num_events / trace.num_requests:.1f} events per request; "
           f"sim runs {best.end_s / best.wall_s:.0f}x faster than real time; the process had "
           f"{cpu_s / best.wall_s:.0%} of a core (other load on the machine slows the wall clock)")
+    mooncake = replay_mooncake(args.mooncake, instance, args.repeat)
     print(json.dumps({
         "sim_requests_per_s": round(sim_rps),
+        "sim_requests_per_s_mooncake": mooncake,
+        "dynamo_replay_requests_per_s_mooncake": None,
         "sim_requests_per_cpu_s": round(trace.num_requests / cpu_s),
         "baseline_requests_per_s": round(base_rps),
         "num_requests": trace.num_requests,
