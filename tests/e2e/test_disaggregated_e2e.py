@@ -336,7 +336,9 @@ async def test_concurrent_requests_over_both_routers_finish_and_free_every_block
     assert served_by == {r.name: NUM_REQUESTS // 2 for r in cluster.routers}, served_by
 
     settled = await _wait_settled(cluster)
-    assert not settled.problems(), "\n".join(settled.problems())
+    assert not settled.problems(), "\n".join(
+        [*settled.problems(), *(line for r in cluster.routers for line in r.lines
+                                if "failed before the first token" in line)])
     request_ids_done = {t.request_id for t in settled.tickets if t.state == pb.TICKET_STATE_DONE}
     missing = {r.request_id for r in results} - request_ids_done
     assert not missing, f"{len(missing)} requests have no DONE ticket, e.g. {sorted(missing)[:3]}"

@@ -50,7 +50,6 @@ T = TypeVar("T")
 
 RECONNECT_BACKOFF_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 """gRPC's reconnect backoff grows to 120 s by default: a channel to a replica that was down for
@@ -58,7 +57,9 @@ a restart (tens of seconds) keeps waiting long after it is back, and when the ne
 down for its turn of a rolling restart, the channel has no backend at all (seen in the chaos
 run: heartbeats to the pool managers and client calls to the routers failed for ~10 s with a
 replica up). Capped at 1 s: a replica is used again within a second of its return, for one
-connection attempt a second to one that is down."""
+connection attempt a second to one that is down. ``grpc.min_reconnect_backoff_ms`` stays at its
+default: gRPC also takes it as the shortest time a connection attempt may take (set to 100 ms,
+connections to a busy worker timed out before its SETTINGS frame and requests were retried)."""
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
