@@ -9,14 +9,12 @@ clock is injected (a ``ManualClock`` shared by the store and the governor): no s
 from __future__ import annotations
 
 import json
-import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.engine import URL
+from helpers.private_schema import private_schema_repository
 
 from pdserve.api.v1 import common_pb2, governor_pb2, governor_pb2_grpc
 from pdserve.capacity.controls import AutoscalerControls
@@ -26,7 +24,7 @@ from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.grpc_client import error_from_rpc_error
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.types import TicketSpec, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
-from pdserve.db import Repository, make_engine, normalize_url, upgrade
+from pdserve.db import Repository
 from pdserve.db.records import ScalingAction
 from pdserve.governor.autoscaling import (
     CONTROLS_KEY,
@@ -75,22 +73,8 @@ async def backend(redis_url: str, clock: ManualClock) -> AsyncIterator[StateBack
 
 @pytest.fixture
 def repository(database_url: str) -> Iterator[Repository]:
-    admin = make_engine(database_url)
-    schema = f"pdserve_gov_{secrets.token_hex(6)}"
-    with admin.begin() as connection:
-        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    url: URL = normalize_url(database_url).update_query_dict(
-        {"options": f"-csearch_path={schema}"})
-    engine = make_engine(url)
-    upgrade(engine)
-    repo = Repository(engine)
-    try:
+    with private_schema_repository(database_url, "pdserve_gov") as repo:
         yield repo
-    finally:
-        engine.dispose()
-        with admin.begin() as connection:
-            connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
 
 
 async def _add_workers(backend: StateBackend, num_prefill: int, num_decode: int,

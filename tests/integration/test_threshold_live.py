@@ -10,14 +10,12 @@ the router's refresh is called, not waited for.
 from __future__ import annotations
 
 import json
-import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
-import sqlalchemy as sa
-from sqlalchemy.engine import URL
+from helpers.private_schema import private_schema_repository
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import governor_pb2, governor_pb2_grpc
@@ -33,7 +31,7 @@ from pdserve.common.types import (
     WorkerRole,
     WorkerState,
 )
-from pdserve.db import Repository, make_engine, normalize_url, upgrade
+from pdserve.db import Repository
 from pdserve.governor.autoscaling import (
     CapacityGovernor,
     DeploymentSpec,
@@ -92,21 +90,8 @@ async def router_backend(redis_url: str, options: StateOptions) -> AsyncIterator
 
 @pytest.fixture
 def repository(database_url: str) -> Iterator[Repository]:
-    admin = make_engine(database_url)
-    schema = f"pdserve_lpt_{secrets.token_hex(6)}"
-    with admin.begin() as connection:
-        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    url: URL = normalize_url(database_url).update_query_dict(
-        {"options": f"-csearch_path={schema}"})
-    engine = make_engine(url)
-    upgrade(engine)
-    try:
-        yield Repository(engine)
-    finally:
-        engine.dispose()
-        with admin.begin() as connection:
-            connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
+    with private_schema_repository(database_url, "pdserve_lpt") as repo:
+        yield repo
 
 
 def _worker(worker_id: str, role: WorkerRole) -> WorkerRecord:
