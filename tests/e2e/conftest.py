@@ -241,6 +241,12 @@ def processes() -> Iterator[list[ServiceProcess]]:
     yield started
     for process in reversed(started):
         process.stop()
+    log_dir = os.environ.get("PDSERVE_TEST_LOG_DIR")
+    if log_dir:  # every line of every process, for a failure the summary below cannot explain
+        folder = Path(log_dir) / uuid.uuid4().hex[:8]
+        folder.mkdir(parents=True, exist_ok=True)
+        for process in started:
+            (folder / f"{process.name}.log").write_text("\n".join(process.lines) + "\n")
     for process in started:  # shown by pytest with a failure, or with -s
         noteworthy = [line for line in process.lines if _NOTEWORTHY.search(line)]
         if noteworthy:

@@ -97,7 +97,7 @@ def test_after_settling_no_block_leaked_no_ticket_left_and_no_late_write_landed(
     result: ChaosResult,
 ) -> None:
     assert result.audit is not None
-    assert result.audit.is_ok, result.audit
+    assert result.audit.is_ok, str(result.audit)
     # Handoff checksums gathered through the run (killed workers' included): sent == accepted.
     assert result.num_checksums_compared > 0
     assert not result.checksum_mismatches, result.checksum_mismatches[:5]

@@ -92,5 +92,5 @@ async def test_removing_half_of_each_pool_under_load_fails_no_request(
     for router in stack.routers:
         await asyncio.to_thread(wait_router_sees, router, NUM_WORKERS // 2, NUM_WORKERS // 2)
     report = await settled_audit(stack)
-    assert report.is_ok, report
+    assert report.is_ok, str(report)
     assert not await settled_idle_ledgers(stack)

@@ -64,7 +64,7 @@ async def _under_load(stack: Stack, fault: Callable[[], object],
 
 async def _assert_settled(stack: Stack) -> None:
     report = await settled_audit(stack)
-    assert report.is_ok, report
+    assert report.is_ok, str(report)
     assert not await settled_idle_ledgers(stack)
 
 

@@ -75,6 +75,6 @@ async def test_a_redis_restart_is_survived_without_restarting_any_process(
                                                           if p.returncode is not None]
 
     report = await settled_audit(stack)
-    assert report.is_ok, report
+    assert report.is_ok, str(report)
     assert report.num_checksums_compared > 0
     assert not await settled_idle_ledgers(stack)

@@ -59,7 +59,7 @@ async def _serve_through(url: str, database_url: str, processes: list[ServicePro
     assert_clean(outcomes, max_failed=0)
     assert all(p.returncode is None for p in processes)
     report = await settled_audit(stack)
-    assert report.is_ok, report
+    assert report.is_ok, str(report)
     assert not await settled_idle_ledgers(stack)
 
 

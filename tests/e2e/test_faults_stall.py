@@ -121,7 +121,7 @@ async def test_a_frozen_sender_on_skewed_clocks_is_fenced_off_and_its_request_re
     # The resumed worker is taken back (re-adopted) and every worker serves again.
     await asyncio.to_thread(wait_router_sees, stack.routers[0], 2, 2, 30.0)
     report = await settled_audit(stack)
-    assert report.is_ok, report
+    assert report.is_ok, str(report)
     assert report.late_writes_accepted == 0
     assert report.num_checksums_compared > 0
     assert not await settled_idle_ledgers(stack)
@@ -157,7 +157,7 @@ async def test_a_frozen_decode_worker_ends_its_streams_cleanly_and_is_taken_back
     assert all(o.ended_s - o.started_s < HANG_S / 2 for o in moved)
     await asyncio.to_thread(wait_router_sees, stack.routers[0], 2, 2, 30.0)
     report = await settled_audit(stack)
-    assert report.is_ok, report
+    assert report.is_ok, str(report)
     assert not await settled_idle_ledgers(stack)
 
 
@@ -197,5 +197,5 @@ async def test_a_stalled_prefill_loop_lets_its_queued_leases_lapse_and_the_reque
     assert "prefill loop stalled" in victim.output
     await asyncio.to_thread(wait_router_sees, stack.routers[0], 2, 2, 30.0)
     report = await settled_audit(stack)
-    assert report.is_ok, report
+    assert report.is_ok, str(report)
     assert not await settled_idle_ledgers(stack)

@@ -500,16 +500,36 @@ async def test_reconcile_after_a_store_loss_adopts_held_sequences(harness: Harne
     assert await used_blocks(harness.backend) == (0, 0)
 
 
-async def test_reconcile_never_revives_a_freed_ticket(harness: Harness) -> None:
+async def test_reconcile_never_revives_a_freed_ticket_and_names_it_stale(
+        harness: Harness) -> None:
     tickets = harness.backend.tickets
     await tickets.set_capacity("d1", 16)
     expired = await ticket_in(harness.backend, TicketState.EXPIRED)
     result = await tickets.reconcile(BlockReport("d1", 16, {str(expired.token): 4}))
     assert (result.adopted, result.released) == ((), ())
+    assert result.stale == (str(expired.token),)  # the worker missed its DropTicket
     assert await used_blocks(harness.backend) == (0, 0)
     other_attempt = FencingToken(expired.token.ticket_id, 2)
     result = await tickets.reconcile(BlockReport("d1", 16, {str(other_attempt): 4}))
     assert result.adopted == () and await used_blocks(harness.backend) == (0, 0)
+    assert result.stale == (str(other_attempt),)
+
+
+async def test_reconcile_names_stale_only_what_the_ledger_does_not_hold_for_the_worker(
+        harness: Harness) -> None:
+    tickets = harness.backend.tickets
+    await tickets.set_capacity("d1", 32)
+    live = await ticket_in(harness.backend, TicketState.PREFILLING)
+    held = await tickets.mark_held((await ticket_in(harness.backend, TicketState.DONE)).token)
+    older_attempt = FencingToken(live.token.ticket_id, live.token.attempt + 1)
+    report = {str(held.token): 4, str(older_attempt): 4}
+    result = await tickets.reconcile(BlockReport("d1", 32, report))
+    assert result.stale == (str(older_attempt),)  # the ledger's ticket is at another attempt
+    assert result.released == ()  # the live ticket is younger than the grace: kept
+    assert (await tickets.get(live.token)).state is TicketState.PREFILLING
+    result = await tickets.reconcile(BlockReport("d1", 32, {str(held.token): 4,
+                                                            str(live.token): 4}))
+    assert result.stale == ()
 
 
 @pytest.mark.parametrize(

@@ -68,3 +68,10 @@ def test_a_ledger_of_a_worker_that_did_not_answer_is_missing_only_if_it_counts_b
     assert idle.is_ok
     busy = reconcile([LedgerView("gone", 100, 3, 0, {"x:1": 3})], [])
     assert not busy.is_ok and busy.decode[0].is_missing
+
+
+def test_the_report_names_the_tickets_only_one_side_holds() -> None:
+    busy = reconcile([LedgerView("gone", 100, 3, 0, {"x:1": 3})], [])
+    text = str(busy)
+    assert "gone: 1 tickets only in the ledger: x:1" in text
+    assert "did not answer" in text and "MISMATCH" in text

@@ -103,6 +103,9 @@ class AuditReport:
         return all(d.is_ok for d in self.decode) and not self.prefill_blocks_in_use \
             and not self.checksum_mismatches
 
+    def __str__(self) -> str:
+        return format_report(self)
+
 
 def reconcile(ledgers: list[LedgerView], workers: list[WorkerView]) -> AuditReport:
     """Pure: compare the coordinator's ledgers with the workers' own tables and checksums."""
@@ -279,6 +282,14 @@ def format_report(report: AuditReport) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)),
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    for d in report.decode:
+        for what, tokens in (("only in the ledger", d.tokens_only_in_ledger),
+                             ("only on the worker", d.tokens_only_on_worker)):
+            if tokens:
+                lines.append(f"{d.worker_id}: {len(tokens)} tickets {what}: "
+                             + ", ".join(tokens[:10]) + (" ..." if len(tokens) > 10 else ""))
+        if d.is_missing:
+            lines.append(f"{d.worker_id}: in the ledger but did not answer (or the reverse)")
     for worker_id, num in report.prefill_blocks_in_use.items():
         lines.append(f"prefill worker {worker_id}: {num} blocks in use with no job")
     lines.append(f"checksums compared: {report.num_checksums_compared}, "

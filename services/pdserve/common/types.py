@@ -186,11 +186,14 @@ class BlockReport:
 @dataclass(frozen=True, slots=True)
 class ReconcileResult:
     """What reconciliation changed: tickets the worker does not know (released) and held
-    sequences the ledger did not know (adopted, e.g. after a store restart)."""
+    sequences the ledger did not know (adopted, e.g. after a store restart); and what the worker
+    must change: tickets it reported that the ledger no longer holds for it (stale: freed, or at
+    another attempt), which it drops."""
 
     released: tuple[str, ...]
     adopted: tuple[str, ...]
     snapshot: LedgerSnapshot
+    stale: tuple[str, ...] = ()
 
 
 class PoolEventKind(enum.StrEnum):

@@ -106,6 +106,8 @@ class HeartbeatDirectives:
     should_send_full_prefix_report: bool = False
     should_send_tokenizer: bool = False
     """The store lacks the worker's tokenizer bundle (lost with a store restart)."""
+    drop_tokens: tuple[str, ...] = ()
+    """Tickets the worker reported that the ledger no longer holds for it (it drops them)."""
 
 
 class LifecycleSink(Protocol):
@@ -217,6 +219,7 @@ class PoolManager:
             record = await self.register(registration, beat.join_token)
             was_readopted = True
         should_drain = False
+        drop_tokens: tuple[str, ...] = ()
         state = beat.state
         if record.state is WorkerState.DRAINING and state in (
             WorkerState.READY,
@@ -241,6 +244,7 @@ class PoolManager:
                     BlockReport(beat.worker_id, beat.load.num_total_blocks, dict(beat.held_blocks))
                 )
                 observe_ledger(record.deployment, reconciled)
+                drop_tokens = reconciled.stale
                 await self._backend.tickets.set_capacity(beat.worker_id, beat.load.num_total_blocks)
         if self.policy.role is WorkerRole.PREFILL and (
             beat.added_prefix_hashes or beat.removed_prefix_hashes or beat.is_full_prefix_report
@@ -261,6 +265,7 @@ class PoolManager:
             was_readopted=was_readopted,
             should_send_full_prefix_report=was_readopted,
             should_send_tokenizer=should_send_tokenizer,
+            drop_tokens=drop_tokens,
         )
 
     async def _accept_tokenizer(self, tokenizer_sha256: str, bundle: TokenizerBundle) -> None:

@@ -12,6 +12,7 @@ from pdserve.common.auth import Role, check_worker_id, count_refusal, current_pr
 from pdserve.common.convert import (
     load_from_pb,
     role_from_pb,
+    token_to_pb,
     worker_state_from_pb,
     worker_state_to_pb,
     worker_to_pb,
@@ -177,6 +178,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             was_readopted=directives.was_readopted,
             should_send_full_prefix_report=directives.should_send_full_prefix_report,
             should_send_tokenizer=directives.should_send_tokenizer,
+            drop_tokens=[token_to_pb(FencingToken.parse(t)) for t in directives.drop_tokens],
             # Re-signed on every beat, so a worker moves to a rotated service token long
             # before the old one's grace ends.
             worker_credential=(self._mint_credential(request.worker_id)

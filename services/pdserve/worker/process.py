@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2_grpc
-from pdserve.common.convert import role_to_pb, worker_state_to_pb
+from pdserve.common.convert import role_to_pb, token_from_pb, worker_state_to_pb
 from pdserve.common.credentials import bearer_interceptors
 from pdserve.common.errors import (
     ConfigError,
@@ -258,6 +258,12 @@ class WorkerProcess:
         self._needs_full_prefix_report = response.should_send_full_prefix_report
         self._needs_tokenizer_sent = response.should_send_tokenizer
         self.credential = response.worker_credential or self.credential
+        for pb_token in response.drop_tokens:  # the ledger freed them; this worker was not told
+            token = token_from_pb(pb_token)
+            num_freed = self.agent.drop(token, "the ledger no longer holds it")
+            if num_freed:
+                logger.warning("dropped ticket %s (%d blocks): the ledger no longer holds it",
+                               token, num_freed)
         if response.should_drain:
             self.agent.begin_drain("pool manager asked")
 

@@ -7,8 +7,10 @@
 -- - reported, unknown here (lost in a store restart): adopted as a held DONE ticket;
 -- - reported, known here: kept as it is (a known ticket whose blocks were freed is never revived:
 --   the worker was told and frees them itself);
--- - live here, not reported, created before cutoff_s: freed (non-terminal ones ABORTED).
--- Replies {'ok', {total, reserved, held}, {released tokens}, {adopted tokens}}.
+-- - live here, not reported, created before cutoff_s: freed (non-terminal ones ABORTED);
+-- - reported, known here but no longer owning blocks, or at another attempt: stale, the worker
+--   must drop it (it missed being told: a DropTicket lost in a failover, say).
+-- Replies {'ok', {total, reserved, held}, {released tokens}, {adopted tokens}, {stale tokens}}.
 local now, purge_s, backstop_ms, cutoff = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local base = 8
 local ids = {}
@@ -18,7 +20,7 @@ if not covers_live(ids) then return {'retry'} end
 redis.call('HSET', LEDGER, 'num_total_blocks', ARGV[5])
 redis.call('HSETNX', LEDGER, 'num_reserved_blocks', 0)
 redis.call('HSETNX', LEDGER, 'num_held_blocks', 0)
-local released, adopted = {}, {}
+local released, adopted, stale = {}, {}, {}
 for i = 4, #KEYS do
   local key = KEYS[i]
   local j = base + 3 * (i - 4)
@@ -37,11 +39,16 @@ for i = 4, #KEYS do
       redis.call('ZADD', INDEX, '+inf', id)
       table.insert(adopted, id .. '#' .. reported_attempt)
     end
-  elseif t.holding ~= 'free' and t.attempt ~= reported_attempt and t.created < cutoff then
-    local new_state = nil
-    if not TERMINAL[t.state] then new_state = 'aborted' end
-    free_blocks(key, t, now, purge_s, backstop_ms, new_state, ARGV[6])
-    table.insert(released, id .. '#' .. t.attempt)
+  else
+    if t.holding ~= 'free' and t.attempt ~= reported_attempt and t.created < cutoff then
+      local new_state = nil
+      if not TERMINAL[t.state] then new_state = 'aborted' end
+      free_blocks(key, t, now, purge_s, backstop_ms, new_state, ARGV[6])
+      table.insert(released, id .. '#' .. t.attempt)
+    end
+    if reported_attempt ~= '' and (t.holding == 'free' or t.attempt ~= reported_attempt) then
+      table.insert(stale, id .. '#' .. reported_attempt)
+    end
   end
 end
-return {'ok', ledger_reply(), released, adopted}
+return {'ok', ledger_reply(), released, adopted, stale}

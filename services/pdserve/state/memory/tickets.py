@@ -283,11 +283,14 @@ class MemoryTicketLedger:
             ledger = self._ledgers.setdefault(worker_id, _Ledger(report.num_total_blocks))
             ledger.num_total_blocks = report.num_total_blocks
             self._leases_by_worker.setdefault(worker_id, {})
-            adopted = []
+            adopted, stale = [], []
             for ticket_id, (attempt, num_blocks) in sorted(reported.items()):
-                if ticket_id not in self._entries:
+                known = self._entries.get(ticket_id)
+                if known is None:
                     token = FencingToken(ticket_id, attempt)
                     adopted.append(self._adopt(worker_id, token, num_blocks, now))
+                elif known.holding is BlockHolding.FREE or known.ticket.token.attempt != attempt:
+                    stale.append(str(FencingToken(ticket_id, attempt)))
             released = []
             cutoff_s = now - self._options.reconcile_grace_s
             for entry in self._live_entries(worker_id):
@@ -303,6 +306,7 @@ class MemoryTicketLedger:
                 released=tuple(sorted(released)),
                 adopted=tuple(sorted(adopted)),
                 snapshot=ledger.snapshot(worker_id),
+                stale=tuple(sorted(stale)),
             )
 
     # -- internals (call with the lock held) ---------------------------------------------------

@@ -376,12 +376,13 @@ class RedisTicketLedger:
                 break
         else:
             raise UnavailableError(f"reconcile {worker_id!r} kept racing with new tickets")
-        ledger, released, adopted = unwrap_reply(reply)
+        ledger, released, adopted, stale = unwrap_reply(reply)
         await self._shorten_owner_ttl([FencingToken.parse(t).ticket_id for t in released])
         return ReconcileResult(
             released=tuple(sorted(released)),
             adopted=tuple(sorted(adopted)),
             snapshot=_ledger_snapshot(worker_id, ledger),
+            stale=tuple(sorted(stale)),
         )
 
     # -- internals --------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""A decode worker that missed its DropTicket (the coordinator could not reach it, or could not
+read its record during a state-store failover) still holds the ticket's blocks, which the ledger
+has freed. Its next heartbeat is reconciled: the pool names the ticket in ``drop_tokens`` and the
+worker drops it, so the two agree again without anyone retrying the lost call. Real gRPC between
+the worker and its pool."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.common.grpc_server import GrpcServer
+from pdserve.common.settings import CommonSettings
+from pdserve.common.types import TicketSpec, TicketState, WorkerRole, WorkerState
+from pdserve.pool.app import PoolApp
+from pdserve.pool.settings import PoolSettings
+from pdserve.state.stores import open_stores
+from pdserve.worker.process import WorkerProcess
+from pdserve.worker.settings import WorkerSettings
+
+MODEL = "llama-3.1-8b"
+JOIN_TOKEN = "join-" + "j" * 27
+
+
+async def test_a_ticket_the_ledger_freed_is_dropped_at_the_workers_next_heartbeat() -> None:
+    stores = open_stores("memory://")
+    tickets = stores.backend.tickets
+    server = GrpcServer.from_settings(CommonSettings(metrics_port=-1, grace_period_s=0.0))
+    pool = PoolApp(PoolSettings(role=WorkerRole.DECODE, join_token=JOIN_TOKEN,
+                                deployments=(MODEL,)),
+                   stores.backend, stores.prefix_index, time.time)
+    pool.register(server)
+    address = f"127.0.0.1:{await server.start()}"
+    await pool.start()
+    worker = WorkerProcess(WorkerSettings(
+        role=WorkerRole.DECODE, deployment=MODEL, model=MODEL, worker_id="d-1",
+        pool_address=address, coordinator_address=address, join_token=JOIN_TOKEN,
+        speedup=1e4, max_num_blocks=64, num_kv_layers=2, metrics_port=-1, grace_period_s=0.0))
+    try:
+        await worker.start()
+        worker.agent.state = WorkerState.READY
+        await worker.heartbeat()  # the ledger learns the worker's blocks
+        kept = await tickets.open(TicketSpec(MODEL, "d-1", "p-1", 4, 30.0, num_prompt_tokens=40))
+        freed = await tickets.open(TicketSpec(MODEL, "d-1", "p-1", 4, 30.0, num_prompt_tokens=40))
+        for ticket in (kept, freed):
+            worker.agent.admit(ticket.token, 40, 4)
+        await worker.heartbeat()
+        assert set(worker.agent.held_blocks()) == {str(kept.token), str(freed.token)}
+        free_before = worker.agent.load().num_free_blocks
+
+        # Aborted at the ledger; the DropTicket that would have told the worker never came.
+        await tickets.transition(freed.token, TicketState.ABORTED, "router gave up")
+        await worker.heartbeat()
+        assert set(worker.agent.held_blocks()) == {str(kept.token)}
+        assert worker.agent.load().num_free_blocks == free_before + 4
+        snapshot = await tickets.snapshot("d-1")
+        assert snapshot.num_reserved_blocks + snapshot.num_held_blocks == 4
+
+        await worker.heartbeat()  # nothing more to drop: the live ticket stays
+        assert set(worker.agent.held_blocks()) == {str(kept.token)}
+    finally:
+        await worker.close()
+        await server.stop(0)
+        await pool.close()
