@@ -64,3 +64,28 @@ async def test_a_connection_torn_down_inside_redis_py_is_unavailable() -> None:
         await torn_down()
     with pytest.raises(AttributeError):
         await buggy()
+
+
+async def test_a_runtime_error_inside_redis_py_is_unavailable() -> None:
+    """Under a cluster failover redis-py's asyncio client can read one connection from two
+    commands (asyncio refuses the second read with a RuntimeError): the command's outcome is
+    unknown, so it is UNAVAILABLE (callers retry). A RuntimeError of pdserve's own passes."""
+    as_redis_py: dict[str, object] = {"__name__": "redis.asyncio.connection"}
+    exec("def read(reader):\n    return reader()\n", as_redis_py)  # noqa: S102
+
+    def asyncio_refuses() -> None:
+        raise RuntimeError("read() called while another coroutine is already waiting for "
+                           "incoming data")
+
+    @store_call
+    async def shared_connection() -> None:
+        as_redis_py["read"](asyncio_refuses)  # type: ignore[operator]
+
+    @store_call
+    async def ours() -> None:
+        asyncio_refuses()
+
+    with pytest.raises(UnavailableError):
+        await shared_connection()
+    with pytest.raises(RuntimeError):
+        await ours()

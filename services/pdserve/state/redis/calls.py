@@ -72,8 +72,24 @@ def _is_torn_down_connection(exc: Exception) -> bool:
     return str(module).startswith("redis.asyncio.connection")
 
 
+def _is_redis_py_runtime_error(exc: Exception) -> bool:
+    """A ``RuntimeError`` raised while redis-py's asyncio client ran: under a cluster failover its
+    connection handling can make two commands share a connection (asyncio's ``read() called
+    while another coroutine is already waiting``) or change its node tables while another
+    command iterates them. The command's outcome is unknown: like a lost connection, callers
+    retry (each store write is safe to repeat or ends by its lease)."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    frame = exc.__traceback__
+    while frame is not None:
+        if str(frame.tb_frame.f_globals.get("__name__", "")).startswith("redis.asyncio"):
+            return True
+        frame = frame.tb_next
+    return False
+
+
 def _is_unavailable(exc: Exception) -> bool:
-    if _is_torn_down_connection(exc):
+    if _is_torn_down_connection(exc) or _is_redis_py_runtime_error(exc):
         return True
     if isinstance(exc, _PROGRAMMING_ERRORS):
         return False
@@ -92,7 +108,7 @@ def store_call(method: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, 
         try:
             return await method(*args, **kwargs)
         except (redis_errors.RedisError, redis_errors.RedisClusterException,
-                AttributeError) as exc:
+                AttributeError, RuntimeError) as exc:
             if not _is_unavailable(exc):
                 raise
             raise UnavailableError(f"state store unavailable ({type(exc).__name__})") from exc
