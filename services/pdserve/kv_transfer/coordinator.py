@@ -157,7 +157,16 @@ class KvTransferCoordinator:
                     f"prefill_worker_id: no prefill worker {spec.prefill_worker_id!r}",
                     field="prefill_worker_id",
                 )
-        ticket = await self._ledger.open(spec)
+        try:
+            ticket = await self._ledger.open(spec)
+        except InvalidArgumentError as exc:
+            if exc.field != "decode_worker_id":
+                raise
+            # A READY decode worker whose ledger the store lacks: lost while its record was
+            # kept (a Redis Cluster master that failed over before replicating it; the two
+            # live on different masters). Its next heartbeat writes it again: retry.
+            raise UnavailableError(f"decode worker {spec.decode_worker_id} has no block ledger "
+                                   "in the store until its next heartbeat") from exc
         self._publish(ticket)
         return ticket
 
