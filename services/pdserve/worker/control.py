@@ -17,6 +17,9 @@ from pdserve.common.grpc_client import Backoff, call_with_retry, error_from_rpc_
 from pdserve.common.types import FencingToken, TicketState, WorkerLoad, WorkerState
 from pdserve.worker.runtime import TransferTiming
 
+REPORT_DEADLINE_S = 30.0
+"""How long a worker repeats a DONE report or a release that fails UNAVAILABLE or times out."""
+
 
 class GrpcControlPlane:
     """Implements ``pdserve.worker.reports.ControlPlane`` against the coordinator."""
@@ -33,15 +36,15 @@ class GrpcControlPlane:
                                               reporter_id=self.worker_id)
         if timing is not None:
             request.stats.CopyFrom(timing.to_proto())
-        await self._call(self._stub.UpdateProgress, request)
+        await self._call_until_done(self._stub.UpdateProgress, request)
 
     async def renew(self, token: FencingToken, lease_s: float) -> None:
         await self._call(self._stub.RenewLease, kv_pb.RenewLeaseRequest(
             token=token_to_pb(token), lease_ms=int(lease_s * 1000)))
 
     async def release(self, token: FencingToken) -> None:
-        await self._call(self._stub.ReleaseTicket,
-                         kv_pb.ReleaseTicketRequest(token=token_to_pb(token)))
+        await self._call_until_done(self._stub.ReleaseTicket,
+                                    kv_pb.ReleaseTicketRequest(token=token_to_pb(token)))
 
     async def _call(self, method: Callable[..., Awaitable[object]], request: Message) -> None:
         """Progress reports, renewals and releases are idempotent at the coordinator, so a call
@@ -50,6 +53,20 @@ class GrpcControlPlane:
         await call_with_retry(lambda timeout_s: method(request, timeout=timeout_s),
                               deadline_s=self._timeout_s, retries=4,
                               backoff=Backoff(base_s=0.1, max_s=1.0))
+
+    async def _call_until_done(self, method: Callable[..., Awaitable[object]],
+                               request: Message) -> None:
+        """A DONE or a release, which only this worker can send: one lost leaves the ledger
+        holding the blocks until reconcile's grace has passed (``reconcile_grace_s``). So it is
+        repeated for longer (``REPORT_DEADLINE_S``), each attempt within ``self._timeout_s``:
+        a state-store failover can stall one attempt past its deadline, and the next one then
+        finds the new master. (Renewals keep the short deadline: a late one would extend a
+        lease its worker no longer renews.)"""
+        attempt_s = self._timeout_s
+        await call_with_retry(
+            lambda timeout_s: method(request, timeout=min(timeout_s, attempt_s)),
+            deadline_s=REPORT_DEADLINE_S, retries=12, backoff=Backoff(base_s=0.1, max_s=2.0),
+            retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
 
 
 class PoolClient:
