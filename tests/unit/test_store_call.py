@@ -89,3 +89,20 @@ async def test_a_runtime_error_inside_redis_py_is_unavailable() -> None:
         await shared_connection()
     with pytest.raises(RuntimeError):
         await ours()
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0", "redis+cluster://127.0.0.1:1"])
+async def test_the_prefix_index_client_never_retries_inside_redis_py(url: str) -> None:
+    """Routing asks the prefix index for every request and routes without hints when it fails:
+    its client fails at once (a cluster client's own retries reconnect and sleep through a
+    whole failover). The state backend's client does not retry either (a script may have run)."""
+    from pdserve.state.stores import open_stores
+
+    stores = open_stores(url)  # nothing connects until a command
+    try:
+        for client in (stores.prefix_client, stores.backend.client):
+            retry = (client.retry if hasattr(client, "nodes_manager")
+                     else client.connection_pool.connection_kwargs["retry"])
+            assert retry.get_retries() == 0
+    finally:
+        await stores.close()
