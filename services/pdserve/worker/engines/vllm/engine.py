@@ -24,6 +24,7 @@ import asyncio
 import enum
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,30 @@ from pdserve.worker.engines.vllm.model_folders import ModelFolderInfo, check_mod
 from pdserve.worker.engines.vllm.protocol import ConnectorSettings, TicketParams, TicketRole
 
 logger = logging.getLogger(__name__)
+
+_STAT_LOGGERS_LOCK = threading.Lock()
+"""Engines built at once in one process (the vllm_pd bench, an engine pair) must not make their
+stat loggers at once: vLLM's Prometheus logger first unregisters every vllm: metric of the
+process-wide registry, and two doing that together fail with a KeyError (seen in the bench)."""
+
+
+def _serialize_stat_loggers() -> None:
+    """Make vLLM's ``AsyncLLM`` build its ``StatLoggerManager`` under ``_STAT_LOGGERS_LOCK``."""
+    import vllm.v1.engine.async_llm as async_llm
+
+    base: Any = async_llm.StatLoggerManager
+    if getattr(base, "is_serialized_by_pdserve", False):
+        return
+
+    class SerializedStatLoggerManager(base):
+        is_serialized_by_pdserve = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            with _STAT_LOGGERS_LOCK:
+                super().__init__(*args, **kwargs)
+
+    async_llm.StatLoggerManager = SerializedStatLoggerManager  # type: ignore[misc]
+
 
 CONNECTOR_MODULE = "pdserve.worker.engines.vllm.connector"
 CONNECTOR_CLASS = "PdserveConnector"
@@ -241,6 +266,8 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**self._engine_kwargs())
+        with _STAT_LOGGERS_LOCK:
+            _serialize_stat_loggers()
         return AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
 
     def _engine_kwargs(self) -> dict[str, Any]:
