@@ -59,7 +59,7 @@ def _serialize_stat_loggers() -> None:
             with _STAT_LOGGERS_LOCK:
                 super().__init__(*args, **kwargs)
 
-    async_llm.StatLoggerManager = SerializedStatLoggerManager  # type: ignore[misc]
+    setattr(async_llm, "StatLoggerManager", SerializedStatLoggerManager)  # noqa: B010
 
 
 CONNECTOR_MODULE = "pdserve.worker.engines.vllm.connector"
