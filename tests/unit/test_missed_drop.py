@@ -1,13 +1,17 @@
 """A decode worker that missed its DropTicket (the coordinator could not reach it, or could not
 read its record during a state-store failover) still holds the ticket's blocks, which the ledger
 has freed. Its next heartbeat is reconciled: the pool names the ticket in ``drop_tokens`` and the
-worker drops it, so the two agree again without anyone retrying the lost call. Real gRPC between
-the worker and its pool."""
+worker drops it, so the two agree again without anyone retrying the lost call. And a prefix delta
+lost with a failed heartbeat is sent whole with the next one. Real gRPC between the worker and its
+pool."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
+from pdserve.common.errors import UnavailableError
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.settings import CommonSettings
 from pdserve.common.types import TicketSpec, TicketState, WorkerRole, WorkerState
@@ -57,6 +61,57 @@ async def test_a_ticket_the_ledger_freed_is_dropped_at_the_workers_next_heartbea
 
         await worker.heartbeat()  # nothing more to drop: the live ticket stays
         assert set(worker.agent.held_blocks()) == {str(kept.token)}
+    finally:
+        await worker.close()
+        await server.stop(0)
+        await pool.close()
+
+
+class _FailingOnce:
+    """The worker's pool client, failing its next heartbeat UNAVAILABLE (a store failover)."""
+
+    def __init__(self, pool: object) -> None:
+        self._pool = pool
+        self.is_failing = True
+        self.full_reports: list[bool] = []
+
+    async def heartbeat(self, *args: object) -> object:
+        self.full_reports.append(bool(args[6]))
+        if self.is_failing:
+            self.is_failing = False
+            raise UnavailableError("state store unavailable (ConnectionError)")
+        return await self._pool.heartbeat(*args)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._pool, name)
+
+
+async def test_a_prefix_delta_lost_with_a_failed_heartbeat_is_sent_whole_next_time() -> None:
+    stores = open_stores("memory://")
+    server = GrpcServer.from_settings(CommonSettings(metrics_port=-1, grace_period_s=0.0))
+    pool = PoolApp(PoolSettings(role=WorkerRole.PREFILL, join_token=JOIN_TOKEN,
+                                deployments=(MODEL,)),
+                   stores.backend, stores.prefix_index, time.time)
+    pool.register(server)
+    address = f"127.0.0.1:{await server.start()}"
+    await pool.start()
+    worker = WorkerProcess(WorkerSettings(
+        role=WorkerRole.PREFILL, deployment=MODEL, model=MODEL, worker_id="p-1",
+        pool_address=address, coordinator_address=address, join_token=JOIN_TOKEN,
+        speedup=1e4, max_num_blocks=64, num_kv_layers=2, metrics_port=-1, grace_period_s=0.0))
+    try:
+        await worker.start()
+        worker.agent.state = WorkerState.READY
+        await worker.heartbeat()  # the first report is a full one
+        worker.agent.take_prefix_delta = lambda: ([101, 102], [])  # type: ignore[method-assign]
+        flaky = _FailingOnce(worker.pool)
+        worker.pool = flaky  # type: ignore[assignment]
+        with pytest.raises(UnavailableError):
+            await worker.heartbeat()  # the delta [101, 102] is lost with it
+        worker.agent.all_prefix_hashes = lambda: [101, 102]  # type: ignore[method-assign]
+        await worker.heartbeat()
+        assert flaky.full_reports == [False, True]
+        assert await stores.prefix_index.overlap(MODEL, ["p-1"], [101, 102]) == {"p-1": 2}
     finally:
         await worker.close()
         await server.stop(0)

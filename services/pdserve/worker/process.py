@@ -252,9 +252,14 @@ class WorkerProcess:
             num_moe_layers, expert_counts = self.agent.take_expert_token_counts()
             self._next_expert_report_s = now_s + self.settings.expert_report_interval_s
         tokenizer = self.tokenizer_pb() if self._needs_tokenizer_sent else None
-        response = await self.pool.heartbeat(self.describe(), self.agent.state, self.agent.load(),
-                                             held, added, removed, is_full,
-                                             expert_counts, num_moe_layers, tokenizer)
+        try:
+            response = await self.pool.heartbeat(
+                self.describe(), self.agent.state, self.agent.load(), held, added, removed,
+                is_full, expert_counts, num_moe_layers, tokenizer)
+        except Exception:
+            if added or removed:  # the delta may not have reached the index: all of it next time
+                self._needs_full_prefix_report = True
+            raise
         self._needs_full_prefix_report = response.should_send_full_prefix_report
         self._needs_tokenizer_sent = response.should_send_tokenizer
         self.credential = response.worker_credential or self.credential
