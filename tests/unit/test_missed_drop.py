@@ -7,7 +7,9 @@ pool."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -17,7 +19,7 @@ from pdserve.common.settings import CommonSettings
 from pdserve.common.types import TicketSpec, TicketState, WorkerRole, WorkerState
 from pdserve.pool.app import PoolApp
 from pdserve.pool.settings import PoolSettings
-from pdserve.state.stores import open_stores
+from pdserve.state.stores import Stores, open_stores
 from pdserve.worker.process import WorkerProcess
 from pdserve.worker.settings import WorkerSettings
 
@@ -25,23 +27,34 @@ MODEL = "llama-3.1-8b"
 JOIN_TOKEN = "join-" + "j" * 27
 
 
-async def test_a_ticket_the_ledger_freed_is_dropped_at_the_workers_next_heartbeat() -> None:
+@contextlib.asynccontextmanager
+async def _worker_and_pool(role: WorkerRole, worker_id: str) -> AsyncIterator[
+        tuple[WorkerProcess, Stores]]:
+    """A started worker of ``role``, READY, registered with its pool over real gRPC."""
     stores = open_stores("memory://")
-    tickets = stores.backend.tickets
     server = GrpcServer.from_settings(CommonSettings(metrics_port=-1, grace_period_s=0.0))
-    pool = PoolApp(PoolSettings(role=WorkerRole.DECODE, join_token=JOIN_TOKEN,
-                                deployments=(MODEL,)),
+    pool = PoolApp(PoolSettings(role=role, join_token=JOIN_TOKEN, deployments=(MODEL,)),
                    stores.backend, stores.prefix_index, time.time)
     pool.register(server)
     address = f"127.0.0.1:{await server.start()}"
     await pool.start()
     worker = WorkerProcess(WorkerSettings(
-        role=WorkerRole.DECODE, deployment=MODEL, model=MODEL, worker_id="d-1",
+        role=role, deployment=MODEL, model=MODEL, worker_id=worker_id,
         pool_address=address, coordinator_address=address, join_token=JOIN_TOKEN,
         speedup=1e4, max_num_blocks=64, num_kv_layers=2, metrics_port=-1, grace_period_s=0.0))
     try:
         await worker.start()
         worker.agent.state = WorkerState.READY
+        yield worker, stores
+    finally:
+        await worker.close()
+        await server.stop(0)
+        await pool.close()
+
+
+async def test_a_ticket_the_ledger_freed_is_dropped_at_the_workers_next_heartbeat() -> None:
+    async with _worker_and_pool(WorkerRole.DECODE, "d-1") as (worker, stores):
+        tickets = stores.backend.tickets
         await worker.heartbeat()  # the ledger learns the worker's blocks
         kept = await tickets.open(TicketSpec(MODEL, "d-1", "p-1", 4, 30.0, num_prompt_tokens=40))
         freed = await tickets.open(TicketSpec(MODEL, "d-1", "p-1", 4, 30.0, num_prompt_tokens=40))
@@ -61,10 +74,6 @@ async def test_a_ticket_the_ledger_freed_is_dropped_at_the_workers_next_heartbea
 
         await worker.heartbeat()  # nothing more to drop: the live ticket stays
         assert set(worker.agent.held_blocks()) == {str(kept.token)}
-    finally:
-        await worker.close()
-        await server.stop(0)
-        await pool.close()
 
 
 class _FailingOnce:
@@ -87,21 +96,7 @@ class _FailingOnce:
 
 
 async def test_a_prefix_delta_lost_with_a_failed_heartbeat_is_sent_whole_next_time() -> None:
-    stores = open_stores("memory://")
-    server = GrpcServer.from_settings(CommonSettings(metrics_port=-1, grace_period_s=0.0))
-    pool = PoolApp(PoolSettings(role=WorkerRole.PREFILL, join_token=JOIN_TOKEN,
-                                deployments=(MODEL,)),
-                   stores.backend, stores.prefix_index, time.time)
-    pool.register(server)
-    address = f"127.0.0.1:{await server.start()}"
-    await pool.start()
-    worker = WorkerProcess(WorkerSettings(
-        role=WorkerRole.PREFILL, deployment=MODEL, model=MODEL, worker_id="p-1",
-        pool_address=address, coordinator_address=address, join_token=JOIN_TOKEN,
-        speedup=1e4, max_num_blocks=64, num_kv_layers=2, metrics_port=-1, grace_period_s=0.0))
-    try:
-        await worker.start()
-        worker.agent.state = WorkerState.READY
+    async with _worker_and_pool(WorkerRole.PREFILL, "p-1") as (worker, stores):
         await worker.heartbeat()  # the first report is a full one
         worker.agent.take_prefix_delta = lambda: ([101, 102], [])  # type: ignore[method-assign]
         flaky = _FailingOnce(worker.pool)
@@ -112,7 +107,3 @@ async def test_a_prefix_delta_lost_with_a_failed_heartbeat_is_sent_whole_next_ti
         await worker.heartbeat()
         assert flaky.full_reports == [False, True]
         assert await stores.prefix_index.overlap(MODEL, ["p-1"], [101, 102]) == {"p-1": 2}
-    finally:
-        await worker.close()
-        await server.stop(0)
-        await pool.close()
