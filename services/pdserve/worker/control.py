@@ -50,23 +50,30 @@ class GrpcControlPlane:
         """Progress reports, renewals and releases are idempotent at the coordinator, so a call
         that failed UNAVAILABLE (a coordinator replica died, its store restarted) is repeated,
         on whichever replica answers, within the deadline."""
-        await call_with_retry(lambda timeout_s: method(request, timeout=timeout_s),
-                              deadline_s=self._timeout_s, retries=4,
-                              backoff=Backoff(base_s=0.1, max_s=1.0))
+        await self._repeat(method, request, self._timeout_s, retries=4, max_backoff_s=1.0)
 
     async def _call_until_done(self, method: Callable[..., Awaitable[object]],
                                request: Message) -> None:
         """A DONE or a release, which only this worker can send: one lost leaves the ledger
         holding the blocks until reconcile's grace has passed (``reconcile_grace_s``). So it is
-        repeated for longer (``REPORT_DEADLINE_S``), each attempt within ``self._timeout_s``:
-        a state-store failover can stall one attempt past its deadline, and the next one then
+        repeated for longer (``REPORT_DEADLINE_S``), also after an attempt that timed out: a
+        state-store failover can stall one attempt past its deadline, and the next one then
         finds the new master. (Renewals keep the short deadline: a late one would extend a
         lease its worker no longer renews.)"""
+        await self._repeat(method, request, REPORT_DEADLINE_S, retries=12, max_backoff_s=2.0,
+                           retry_on=(grpc.StatusCode.UNAVAILABLE,
+                                     grpc.StatusCode.DEADLINE_EXCEEDED))
+
+    async def _repeat(self, method: Callable[..., Awaitable[object]], request: Message,
+                      deadline_s: float, *, retries: int, max_backoff_s: float,
+                      retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,),
+                      ) -> None:
+        """``call_with_retry`` of one request, each attempt within the call timeout."""
         attempt_s = self._timeout_s
         await call_with_retry(
             lambda timeout_s: method(request, timeout=min(timeout_s, attempt_s)),
-            deadline_s=REPORT_DEADLINE_S, retries=12, backoff=Backoff(base_s=0.1, max_s=2.0),
-            retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
+            deadline_s=deadline_s, retries=retries, retry_on=retry_on,
+            backoff=Backoff(base_s=0.1, max_s=max_backoff_s))
 
 
 class PoolClient:
