@@ -26,11 +26,13 @@ from pdserve.common.errors import (
     InvalidArgumentError,
     NotFoundError,
     StaleTokenError,
+    UnavailableError,
 )
 from pdserve.common.tokenizer_bundle import TokenizerBundle
 from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
+    DecodeWorkerView,
     FencingToken,
     PoolEvent,
     PoolEventKind,
@@ -47,6 +49,7 @@ from pdserve.state.factory import StateOptions, open_backend
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.redis.backend import RedisStateBackend
 from pdserve.state.redis.keys import RedisKeys
+from pdserve.state.shared import WorkerUnverifiedError
 
 RETENTION_S = 60.0
 GRACE_S = 30.0
@@ -442,6 +445,82 @@ async def test_drop_worker_aborts_its_tickets_and_forgets_its_ledger(harness: Ha
     assert await tickets.get(elsewhere.token) == elsewhere
     assert await tickets.drop_worker("d1") == []
     assert await tickets.drop_worker("never-seen") == []
+
+
+def view(state: WorkerState = WorkerState.READY, deployment: str = "llama",
+         expires_s: float = 0.0) -> DecodeWorkerView:
+    return DecodeWorkerView(deployment, state, expires_s)
+
+
+async def test_open_checks_the_decode_workers_view_in_the_same_step(harness: Harness) -> None:
+    tickets, now = harness.backend.tickets, harness.clock()
+    await tickets.describe_worker("d1", view())  # no ledger yet: nothing is kept
+    with pytest.raises(NotFoundError):
+        await tickets.snapshot("d1")
+    await tickets.set_capacity("d1", 16)
+    with pytest.raises(WorkerUnverifiedError):  # a ledger an earlier release wrote: no view
+        await tickets.open(spec(), should_check_worker=True)
+    await tickets.open(spec())  # the caller checked the record itself
+    await tickets.set_capacity("d1", 16, view(expires_s=now + 10))
+    opened = await tickets.open(spec(), should_check_worker=True)
+    assert opened.decode_worker_id == "d1"
+    refusals = [
+        (view(WorkerState.DRAINING, expires_s=now + 10), UnavailableError, "is draining"),
+        (view(deployment="qwen", expires_s=now + 10), InvalidArgumentError, "serves 'qwen'"),
+        (view(expires_s=now - 1), UnavailableError, "not in the pool"),
+    ]
+    for worker_view, error, message in refusals:
+        await tickets.describe_worker("d1", worker_view)
+        with pytest.raises(error, match=message) as caught:
+            await tickets.open(spec(), should_check_worker=True)
+        if error is InvalidArgumentError:
+            assert caught.value.field == "decode_worker_id"
+        assert await used_blocks(harness.backend) == (8, 0)  # nothing reserved by a refusal
+    await tickets.describe_worker("d1", view(expires_s=now + 10))
+    harness.clock.advance(11)  # the record's expiry passes with no heartbeat to extend it
+    with pytest.raises(UnavailableError, match="not in the pool"):
+        await tickets.open(spec(lease_s=60.0), should_check_worker=True)
+
+
+async def test_a_ticket_is_found_by_its_id_alone(harness: Harness) -> None:
+    """Another replica (no memory of the open) finds a ticket by id; on a cluster, its id index
+    lies in its decode worker's slot, so nothing on another master is needed."""
+    if harness.url is None:
+        pytest.skip("memory state is one process's")
+    await harness.backend.tickets.set_capacity("d1", 16)
+    ticket = await harness.backend.tickets.open(spec())
+    other = open_backend(harness.url, harness.clock, harness.options)
+    try:
+        assert await other.tickets.get(ticket.token) == ticket
+        assert (await other.tickets.release(ticket.token)).token == ticket.token
+    finally:
+        await other.close()
+    if isinstance(harness.backend, RedisStateBackend) and isinstance(
+        harness.backend.client, RedisCluster
+    ):
+        keys = harness.backend.keys
+        assert key_slot(keys.ticket_owner(ticket.token.ticket_id).encode()) == key_slot(
+            keys.ledger("d1").encode())
+
+
+async def test_a_ticket_an_earlier_release_indexed_is_found(harness: Harness) -> None:
+    """Earlier releases kept only the unslotted id index: a replica of this release finds their
+    tickets through it (a fleet mid-upgrade)."""
+    backend = harness.backend
+    if not isinstance(backend, RedisStateBackend):
+        pytest.skip("the id index is Redis's")
+    await backend.tickets.set_capacity("d1", 16)
+    ticket = await backend.tickets.open(spec())
+    keys, ticket_id = backend.keys, ticket.token.ticket_id
+    assert await backend.client.get(keys.legacy_ticket_owner(ticket_id)) == "d1" or isinstance(
+        backend.client, RedisCluster)  # written off the open's path there
+    await backend.client.delete(keys.ticket_owner(ticket_id))
+    await backend.client.set(keys.legacy_ticket_owner(ticket_id), "d1")
+    other = open_backend(harness.url, harness.clock, harness.options)
+    try:
+        assert await other.tickets.get(ticket.token) == ticket
+    finally:
+        await other.close()
 
 
 async def test_reconcile_releases_what_the_worker_does_not_hold(harness: Harness) -> None:

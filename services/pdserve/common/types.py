@@ -113,6 +113,24 @@ class WorkerRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeWorkerView:
+    """What opening a ticket checks of its decode worker, kept beside the worker's block ledger
+    so the check and the reservation are one atomic step with no read before it: the
+    deployment it serves, its lifecycle state and when its record expires (store clock). The
+    pool manager writes it with every heartbeat and state change, so it is at most one
+    heartbeat behind the record (``TicketLedger.describe_worker``)."""
+
+    deployment: str
+    state: WorkerState
+    expires_s: float
+
+    @staticmethod
+    def of(record: WorkerRecord, ttl_s: float) -> DecodeWorkerView:
+        """The view of a record just written with a time to live of ``ttl_s``."""
+        return DecodeWorkerView(record.deployment, record.state, record.last_heartbeat_s + ttl_s)
+
+
+@dataclass(frozen=True, slots=True)
 class TicketSpec:
     """What the router asks for when it opens a ticket."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +25,7 @@ from pdserve.common.errors import (
 )
 from pdserve.common.types import (
     Clock,
+    DecodeWorkerView,
     FencingToken,
     LedgerSnapshot,
     Ticket,
@@ -31,12 +33,17 @@ from pdserve.common.types import (
     TicketState,
     TransferRecord,
     WorkerRole,
-    WorkerState,
 )
 from pdserve.kv_transfer import metrics
 from pdserve.state.interfaces import TicketLedger, WorkerStore
+from pdserve.state.shared import WorkerUnverifiedError, check_worker_view
 
 logger = logging.getLogger(__name__)
+
+
+PREFILL_RECHECK_S = 5.0
+"""How long a prefill worker once seen in the pool is taken as one without reading its record."""
+MAX_KNOWN_PREFILL = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +93,6 @@ def _is_behind(reported: TicketState, current: TicketState) -> bool:
     return _PROGRESS_ORDER.get(reported, 9) < _PROGRESS_ORDER.get(current, 0)
 
 
-async def _none() -> None:
-    return None
-
-
 class KvTransferCoordinator:
     def __init__(
         self,
@@ -107,6 +110,8 @@ class KvTransferCoordinator:
         self._notifier = notifier or NullNotifier()
         self._stats_sink = stats_sink
         self._subscribers: set[asyncio.Queue[Ticket]] = set()
+        self._known_prefill: dict[str, float] = {}
+        """Prefill worker id -> until when it is taken as one without reading its record."""
 
     @property
     def clock(self) -> Clock:
@@ -126,10 +131,34 @@ class KvTransferCoordinator:
             raise InvalidArgumentError("decode_worker_id: required", field="decode_worker_id")
         if spec.num_blocks <= 0:
             raise InvalidArgumentError("num_blocks: must be > 0", field="num_blocks")
-        # Both records in one round trip (two reads at once), then the ledger's one script.
-        decode, prefill = await asyncio.gather(
-            self._workers.get(spec.decode_worker_id),
-            self._workers.get(spec.prefill_worker_id) if spec.prefill_worker_id else _none())
+        if spec.prefill_worker_id and not self._is_known_prefill(spec.prefill_worker_id):
+            await self._check_prefill(spec.prefill_worker_id)
+        try:
+            try:
+                # The decode worker is checked in the ledger's own step (its view beside the
+                # ledger): one round trip, no record read first.
+                ticket = await self._ledger.open(spec, should_check_worker=True)
+            except WorkerUnverifiedError:
+                # No view there (written by a pool manager of an earlier release, or not yet):
+                # the record, read here, then the same open without the check.
+                await self._check_decode(spec)
+                ticket = await self._ledger.open(spec)
+        except InvalidArgumentError as exc:
+            if exc.field != "decode_worker_id" or not exc.message.startswith("unknown"):
+                raise
+            # No ledger: the record says why (read only on this path). Not a decode worker
+            # of the pool, or a READY one whose ledger the store lost while its record was
+            # kept (a Redis Cluster master that failed over before replicating it): its next
+            # heartbeat writes the ledger again, so retry.
+            await self._check_decode(spec)
+            raise UnavailableError(f"decode worker {spec.decode_worker_id} has no block ledger "
+                                   "in the store (not in the pool, or until its next "
+                                   "heartbeat)") from exc
+        self._publish(ticket)
+        return ticket
+
+    async def _check_decode(self, spec: TicketSpec) -> None:
+        decode = await self._workers.get(spec.decode_worker_id)
         if decode is None:
             # Not (or no longer, or not yet again after a store restart) in the pool: callers
             # retry elsewhere or after the next heartbeat re-adopts it.
@@ -139,36 +168,28 @@ class KvTransferCoordinator:
                 f"decode_worker_id: no decode worker {spec.decode_worker_id!r}",
                 field="decode_worker_id",
             )
-        if decode.deployment != spec.deployment:
+        check_worker_view(DecodeWorkerView(decode.deployment, decode.state, math.inf), spec,
+                          self._clock())
+
+    def _is_known_prefill(self, worker_id: str) -> bool:
+        until = self._known_prefill.get(worker_id)
+        return until is not None and until > self._clock()
+
+    async def _check_prefill(self, worker_id: str) -> None:
+        """The prefill worker must be a prefill worker of the pool. A worker seen to be one is
+        taken as one for ``PREFILL_RECHECK_S`` (a role never changes; a worker that left since
+        fails its prefill call instead), so the hot path reads no record of it."""
+        prefill = await self._workers.get(worker_id)
+        if prefill is None:
+            raise UnavailableError(f"prefill worker {worker_id} is not in the pool")
+        if prefill.role is not WorkerRole.PREFILL:
             raise InvalidArgumentError(
-                f"decode_worker_id: {spec.decode_worker_id!r} serves {decode.deployment!r}, "
-                f"not {spec.deployment!r}",
-                field="decode_worker_id",
-            )
-        if decode.state is not WorkerState.READY:
-            raise UnavailableError(f"decode worker {spec.decode_worker_id} is {decode.state}")
-        if spec.prefill_worker_id:
-            if prefill is None:
-                raise UnavailableError(
-                    f"prefill worker {spec.prefill_worker_id} is not in the pool"
-                )
-            if prefill.role is not WorkerRole.PREFILL:
-                raise InvalidArgumentError(
-                    f"prefill_worker_id: no prefill worker {spec.prefill_worker_id!r}",
-                    field="prefill_worker_id",
-                )
-        try:
-            ticket = await self._ledger.open(spec)
-        except InvalidArgumentError as exc:
-            if exc.field != "decode_worker_id":
-                raise
-            # A READY decode worker whose ledger the store lacks: lost while its record was
-            # kept (a Redis Cluster master that failed over before replicating it; the two
-            # live on different masters). Its next heartbeat writes it again: retry.
-            raise UnavailableError(f"decode worker {spec.decode_worker_id} has no block ledger "
-                                   "in the store until its next heartbeat") from exc
-        self._publish(ticket)
-        return ticket
+                f"prefill_worker_id: no prefill worker {worker_id!r}", field="prefill_worker_id")
+        known = self._known_prefill
+        known.pop(worker_id, None)
+        if len(known) >= MAX_KNOWN_PREFILL:
+            del known[next(iter(known))]
+        known[worker_id] = self._clock() + PREFILL_RECHECK_S
 
     async def update_progress(
         self, token: FencingToken, state: TicketState,

@@ -29,6 +29,7 @@ from pdserve.common.tokenizer_bundle import TokenizerBundle
 from pdserve.common.types import (
     BlockReport,
     Clock,
+    DecodeWorkerView,
     PoolEvent,
     PoolEventKind,
     WorkerLoad,
@@ -191,7 +192,8 @@ class PoolManager:
         )
         await self._backend.workers.upsert(record, self.policy.record_ttl_s)
         if self.policy.role is WorkerRole.DECODE:
-            await self._backend.tickets.set_capacity(worker_id, registration.num_total_blocks)
+            await self._backend.tickets.set_capacity(
+                worker_id, registration.num_total_blocks, self._view(record))
         await self._prefix_index.update(registration.deployment, worker_id, (), (), is_full=True)
         await self._publish_upsert(record)
         self._record(record, previous.state if previous else None, "registered")
@@ -232,6 +234,7 @@ class PoolManager:
             )
         if state is not record.state:
             record = await self._backend.workers.set_state(beat.worker_id, state)
+            await self._describe(record)
             self._record(record, None, "reported")
         record = await self._backend.workers.heartbeat(
             beat.worker_id, beat.load, self.policy.record_ttl_s
@@ -245,7 +248,8 @@ class PoolManager:
                 )
                 observe_ledger(record.deployment, reconciled)
                 drop_tokens = reconciled.stale
-                await self._backend.tickets.set_capacity(beat.worker_id, beat.load.num_total_blocks)
+                await self._backend.tickets.set_capacity(
+                    beat.worker_id, beat.load.num_total_blocks, self._view(record))
         if self.policy.role is WorkerRole.PREFILL and (
             beat.added_prefix_hashes or beat.removed_prefix_hashes or beat.is_full_prefix_report
         ):
@@ -267,6 +271,16 @@ class PoolManager:
             should_send_tokenizer=should_send_tokenizer,
             drop_tokens=drop_tokens,
         )
+
+    def _view(self, record: WorkerRecord) -> DecodeWorkerView:
+        return DecodeWorkerView.of(record, self.policy.record_ttl_s)
+
+    async def _describe(self, record: WorkerRecord) -> None:
+        """A decode worker's new state, also in the view ticket opens check (beside its
+        ledger), before anyone is told of it. A concurrent heartbeat may still write the state
+        it read before this change; the next heartbeat writes this one again."""
+        if self.policy.role is WorkerRole.DECODE:
+            await self._backend.tickets.describe_worker(record.worker_id, self._view(record))
 
     async def _accept_tokenizer(self, tokenizer_sha256: str, bundle: TokenizerBundle) -> None:
         """Keep a worker's tokenizer bundle in the store, where routers load it by digest; it
@@ -301,6 +315,7 @@ class PoolManager:
         if record.state in (WorkerState.DRAINING, WorkerState.DRAINED, WorkerState.FAILED):
             return record
         record = await self._backend.workers.set_state(worker_id, WorkerState.DRAINING)
+        await self._describe(record)
         self._record(record, None, reason or "drain requested")
         await self._publish_upsert(record)
         return record
@@ -343,6 +358,7 @@ class PoolManager:
     async def _fail(self, record: WorkerRecord, reason: str) -> WorkerRecord:
         logger.warning("worker %s failed: %s", record.worker_id, reason)
         record = await self._backend.workers.set_state(record.worker_id, WorkerState.FAILED)
+        await self._describe(record)
         self._record(record, None, reason)
         if self.policy.role is WorkerRole.DECODE:
             await self._backend.tickets.drop_worker(record.worker_id)

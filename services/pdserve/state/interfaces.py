@@ -19,6 +19,7 @@ from typing import Protocol
 from pdserve.common.tokenizer_bundle import TokenizerBundle
 from pdserve.common.types import (
     BlockReport,
+    DecodeWorkerView,
     FencingToken,
     LedgerSnapshot,
     PoolEvent,
@@ -74,15 +75,27 @@ class TicketLedger(Protocol):
     stays readable for ``StateOptions.ticket_retention_s``.
     """
 
-    async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
-        """Create or resize a decode worker's ledger (registration / heartbeat)."""
+    async def set_capacity(
+        self, worker_id: str, num_total_blocks: int, view: DecodeWorkerView | None = None
+    ) -> LedgerSnapshot:
+        """Create or resize a decode worker's ledger (registration / heartbeat), and keep
+        ``view`` of the worker beside it when given."""
+        ...
+
+    async def describe_worker(self, worker_id: str, view: DecodeWorkerView) -> None:
+        """Keep ``view`` beside the worker's ledger (a state change); nothing without a ledger."""
         ...
 
     async def drop_worker(self, worker_id: str) -> list[Ticket]:
         """Forget a worker's ledger; returns its non-terminal tickets, now ABORTED."""
         ...
 
-    async def open(self, spec: TicketSpec) -> Ticket: ...
+    async def open(self, spec: TicketSpec, *, should_check_worker: bool = False) -> Ticket:
+        """Create the ticket and reserve its blocks. With ``should_check_worker``, the decode
+        worker is checked against the view kept beside its ledger in the same step: another
+        deployment is ``InvalidArgumentError`` (field ``decode_worker_id``), not READY or its
+        record expired ``UnavailableError``, no view ``WorkerUnverifiedError``."""
+        ...
 
     async def get(self, token: FencingToken) -> Ticket:
         """The ticket; ``StaleTokenError`` if unknown or another attempt."""

@@ -9,8 +9,16 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdserve.common.errors import ConfigError, InvalidArgumentError
-from pdserve.common.types import BlockReport, FencingToken, Ticket, TicketState
+from pdserve.common.errors import ConfigError, InvalidArgumentError, UnavailableError
+from pdserve.common.types import (
+    BlockReport,
+    DecodeWorkerView,
+    FencingToken,
+    Ticket,
+    TicketSpec,
+    TicketState,
+    WorkerState,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +62,26 @@ class StateOptions:
             raise ConfigError(f"stream_max_len: >= 1, got {self.stream_max_len}")
         if self.replica_acks < 0:
             raise ConfigError(f"replica_acks: >= 0, got {self.replica_acks}")
+
+
+class WorkerUnverifiedError(Exception):
+    """``TicketLedger.open``: the ledger holds no view of the decode worker (``DecodeWorkerView``:
+    a pool manager of an earlier release, or none written yet), so the caller must check the
+    worker's record itself and open again without ``should_check_worker``."""
+
+
+def check_worker_view(view: DecodeWorkerView, spec: TicketSpec, now: float) -> None:
+    """Raise unless a ticket of ``spec`` may go to the decode worker ``view`` describes (the
+    checks ``TicketLedger.open`` makes; ``lua/open.lua`` makes the same)."""
+    worker_id = spec.decode_worker_id
+    if view.deployment != spec.deployment:
+        raise InvalidArgumentError(
+            f"decode_worker_id: {worker_id!r} serves {view.deployment!r}, not "
+            f"{spec.deployment!r}", field="decode_worker_id")
+    if view.expires_s <= now:
+        raise UnavailableError(f"decode worker {worker_id} is not in the pool")
+    if view.state is not WorkerState.READY:
+        raise UnavailableError(f"decode worker {worker_id} is {view.state}")
 
 
 class BlockHolding(enum.StrEnum):

@@ -1,12 +1,33 @@
--- Create a ticket and reserve its blocks, all or nothing. KEYS[4] = the new ticket's hash.
+-- Create a ticket and reserve its blocks, all or nothing, after checking the decode worker
+-- against the view kept beside its ledger (set_capacity, describe_worker). KEYS[4] = the new
+-- ticket's hash, KEYS[5] = its id -> worker index (the ticket id carries this worker's hash
+-- slot, so the index shares it); on one node only, KEYS[6] = the index as earlier releases name
+-- it and KEYS[7] = the set of workers with tickets (on a cluster both live on other masters).
 -- ARGV: ticket_id, attempt, now, lease_deadline_s, num_blocks, lease_s, deployment,
---       decode_worker_id, prefill_worker_id, request_id, num_prompt_tokens
-local key = KEYS[4]
+--       decode_worker_id, prefill_worker_id, request_id, num_prompt_tokens, index ttl (ms),
+--       '1' to check the worker against the view (a ledger without one is 'unverified')
+local key, owner = KEYS[4], KEYS[5]
 local ticket_id, attempt, now, deadline = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local num_blocks, lease_s = tonumber(ARGV[5]), tonumber(ARGV[6])
 
 if redis.call('EXISTS', LEDGER) == 0 then
   return fail('invalid', 'unknown decode worker ' .. ARGV[8], 'decode_worker_id')
+end
+if ARGV[13] == '1' then
+  local v = redis.call('HMGET', LEDGER, 'w_deployment', 'w_state', 'w_expires_s')
+  if not v[3] then
+    return fail('unverified', 'no view of decode worker ' .. ARGV[8], '')
+  end
+  if v[1] ~= ARGV[7] then
+    return fail('invalid', "decode_worker_id: '" .. ARGV[8] .. "' serves '" .. v[1]
+      .. "', not '" .. ARGV[7] .. "'", 'decode_worker_id')
+  end
+  if tonumber(v[3]) <= tonumber(now) then
+    return fail('unavailable', 'decode worker ' .. ARGV[8] .. ' is not in the pool', '')
+  end
+  if v[2] ~= 'ready' then
+    return fail('unavailable', 'decode worker ' .. ARGV[8] .. ' is ' .. v[2], '')
+  end
 end
 if not num_blocks or num_blocks < 1 or num_blocks ~= math.floor(num_blocks) then
   return fail('invalid', 'num_blocks: an integer >= 1, got ' .. ARGV[5], 'num_blocks')
@@ -44,4 +65,9 @@ redis.call('HSET', key,
 redis.call('ZADD', LEASES, deadline, ticket_id)
 redis.call('ZREMRANGEBYSCORE', INDEX, '-inf', now)  -- retention over (as _is_purged)
 redis.call('ZADD', INDEX, '+inf', ticket_id)
+redis.call('SET', owner, ARGV[8], 'PX', ARGV[12])
+if KEYS[7] then
+  redis.call('SET', KEYS[6], ARGV[8], 'NX', 'PX', ARGV[12])
+  redis.call('SADD', KEYS[7], ARGV[8])
+end
 return hash_reply(key)

@@ -18,6 +18,7 @@ from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
     Clock,
+    DecodeWorkerView,
     FencingToken,
     LedgerSnapshot,
     ReconcileResult,
@@ -35,9 +36,11 @@ from pdserve.state.shared import (
     REASON_WORKER_DROPPED,
     BlockHolding,
     StateOptions,
+    WorkerUnverifiedError,
     check_count,
     check_required,
     check_ttl,
+    check_worker_view,
     ordered_tickets,
     parse_report,
 )
@@ -58,6 +61,7 @@ class _Ledger:
     num_total_blocks: int
     num_reserved_blocks: int = 0
     num_held_blocks: int = 0
+    view: DecodeWorkerView | None = None
 
     def snapshot(self, worker_id: str) -> LedgerSnapshot:
         return LedgerSnapshot(
@@ -85,14 +89,24 @@ class MemoryTicketLedger:
         self._leases_by_worker: dict[str, dict[str, float]] = {}
         self._purge_heap: list[tuple[float, str]] = []
 
-    async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
+    async def set_capacity(
+        self, worker_id: str, num_total_blocks: int, view: DecodeWorkerView | None = None
+    ) -> LedgerSnapshot:
         check_required(worker_id, "worker_id")
         check_count(num_total_blocks, "num_total_blocks", 0)
         async with self._lock:
             ledger = self._ledgers.setdefault(worker_id, _Ledger(num_total_blocks))
             ledger.num_total_blocks = num_total_blocks
+            if view is not None:
+                ledger.view = view
             self._leases_by_worker.setdefault(worker_id, {})
             return ledger.snapshot(worker_id)
+
+    async def describe_worker(self, worker_id: str, view: DecodeWorkerView) -> None:
+        async with self._lock:
+            ledger = self._ledgers.get(worker_id)
+            if ledger is not None:
+                ledger.view = view
 
     async def drop_worker(self, worker_id: str) -> list[Ticket]:
         async with self._lock:
@@ -111,7 +125,7 @@ class MemoryTicketLedger:
             self._leases_by_worker.pop(worker_id, None)
             return ordered_tickets(aborted)
 
-    async def open(self, spec: TicketSpec) -> Ticket:
+    async def open(self, spec: TicketSpec, *, should_check_worker: bool = False) -> Ticket:
         check_count(spec.num_prompt_tokens, "num_prompt_tokens", 0)
         async with self._lock:
             now = self._now()
@@ -120,6 +134,10 @@ class MemoryTicketLedger:
                 raise InvalidArgumentError(
                     f"unknown decode worker {spec.decode_worker_id!r}", field="decode_worker_id"
                 )
+            if should_check_worker:
+                if ledger.view is None:
+                    raise WorkerUnverifiedError(spec.decode_worker_id)
+                check_worker_view(ledger.view, spec, now)
             check_count(spec.num_blocks, "num_blocks", 1)
             if spec.num_blocks > ledger.num_total_blocks:
                 raise InvalidArgumentError(

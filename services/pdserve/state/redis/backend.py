@@ -68,4 +68,5 @@ class RedisStateBackend:
             return False
 
     async def close(self) -> None:
+        await self.tickets.finish_background_writes()
         await self.client.aclose()

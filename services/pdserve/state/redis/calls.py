@@ -32,6 +32,7 @@ _ERRORS_BY_CODE: dict[str, type[PdserveError]] = {
     "invalid": InvalidArgumentError,
     "notfound": NotFoundError,
     "exists": AlreadyExistsError,
+    "unavailable": UnavailableError,
 }
 """Error codes of ``{'err', code, message, extra}`` script replies (``lua/_lib.lua``)."""
 
@@ -131,7 +132,7 @@ class LuaScripts:
 
     _LEDGER = (
         "set_capacity", "open", "transition", "extend", "mark_held", "release", "reap",
-        "drop_worker", "reconcile",
+        "drop_worker", "reconcile", "describe_worker",
     )
     _PLAIN = ("worker_heartbeat", "worker_set_state", "events_head", "events_publish",
               "tokenizer_touch", "threshold_publish")

@@ -3,16 +3,15 @@ script over the worker's hash-tagged keys (``pdserve.state.redis.keys``)."""
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis import exceptions as redis_errors
 
 from pdserve.common.errors import (
-    AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
     StaleTokenError,
@@ -22,6 +21,7 @@ from pdserve.common.types import (
     TICKET_TRANSITIONS,
     BlockReport,
     Clock,
+    DecodeWorkerView,
     FencingToken,
     LedgerSnapshot,
     ReconcileResult,
@@ -30,8 +30,9 @@ from pdserve.common.types import (
     TicketState,
 )
 from pdserve.state.redis.calls import LuaScripts, store_call, unwrap_reply
+from pdserve.state.redis.clients import is_cluster
 from pdserve.state.redis.codec import pairs, redis_time, text_map, text_or_none, texts, to_ms
-from pdserve.state.redis.keys import RedisKeys
+from pdserve.state.redis.keys import RedisKeys, slot_tag
 from pdserve.state.shared import (
     FREEING_STATES,
     REASON_ADOPTED,
@@ -42,6 +43,7 @@ from pdserve.state.shared import (
     REASON_WORKER_DROPPED,
     BlockHolding,
     StateOptions,
+    WorkerUnverifiedError,
     check_count,
     check_required,
     check_ttl,
@@ -51,6 +53,8 @@ from pdserve.state.shared import (
 
 SCRIPT_CHUNK_TICKETS = 500
 """Most tickets one reap script handles, so no single script blocks Redis for long."""
+
+logger = logging.getLogger(__name__)
 
 MAX_SCRIPT_RACES = 8
 """drop_worker/reconcile retry this often when a ticket is opened between listing and script."""
@@ -97,6 +101,10 @@ def _script_arg(value: object) -> str:
     return "?"
 
 
+def _view_args(view: DecodeWorkerView) -> list[str]:
+    return [view.deployment, str(view.state), redis_time(view.expires_s)]
+
+
 def _ledger_snapshot(worker_id: str, counts: Sequence[Any]) -> LedgerSnapshot:
     total, reserved, held = (int(x) for x in counts)
     return LedgerSnapshot(worker_id, total, reserved, held)
@@ -121,6 +129,8 @@ class RedisTicketLedger:
         self._options = options
         self._owners: dict[str, str] = {}
         """Ticket id -> its decode worker, for tickets this replica opened or read (bounded)."""
+        self._is_cluster = is_cluster(client)
+        self._background: set[asyncio.Task[None]] = set()
 
     def _remember_owner(self, ticket_id: str, worker_id: str) -> None:
         owners = self._owners
@@ -132,9 +142,16 @@ class RedisTicketLedger:
         worker_id = self._owners.get(ticket_id)
         if worker_id is None:
             worker_id = text_or_none(await self._client.get(self._keys.ticket_owner(ticket_id)))
+            if worker_id is None:  # opened by an earlier release
+                worker_id = text_or_none(
+                    await self._client.get(self._keys.legacy_ticket_owner(ticket_id)))
             if worker_id is not None:
                 self._remember_owner(ticket_id, worker_id)
         return worker_id
+
+    @property
+    def _index_ttl_ms(self) -> int:
+        return to_ms(self._options.ticket_index_ttl_s)
 
     @property
     def _backstop_ms(self) -> int:
@@ -144,16 +161,25 @@ class RedisTicketLedger:
         return redis_time(now + self._options.ticket_retention_s)
 
     @store_call
-    async def set_capacity(self, worker_id: str, num_total_blocks: int) -> LedgerSnapshot:
+    async def set_capacity(
+        self, worker_id: str, num_total_blocks: int, view: DecodeWorkerView | None = None
+    ) -> LedgerSnapshot:
         check_required(worker_id, "worker_id")
         check_count(num_total_blocks, "num_total_blocks", 0)
         reply = unwrap_reply(
             await self._scripts(
-                "set_capacity", self._keys.ledger_keys(worker_id), [num_total_blocks]
+                "set_capacity", self._keys.ledger_keys(worker_id),
+                [num_total_blocks, *(_view_args(view) if view is not None else ())],
             )
         )
         await self._client.sadd(self._keys.ledger_workers(), worker_id)
         return _ledger_snapshot(worker_id, reply)
+
+    @store_call
+    async def describe_worker(self, worker_id: str, view: DecodeWorkerView) -> None:
+        check_required(worker_id, "worker_id")
+        unwrap_reply(await self._scripts(
+            "describe_worker", self._keys.ledger_keys(worker_id), _view_args(view)))
 
     @store_call
     async def drop_worker(self, worker_id: str) -> list[Ticket]:
@@ -175,7 +201,7 @@ class RedisTicketLedger:
         return ordered_tickets(_ticket_from_fields(pairs(flat)) for flat in unwrap_reply(reply))
 
     @store_call
-    async def open(self, spec: TicketSpec) -> Ticket:
+    async def open(self, spec: TicketSpec, *, should_check_worker: bool = False) -> Ticket:
         check_count(spec.num_prompt_tokens, "num_prompt_tokens", 0)
         now = self._clock()
         worker_id = spec.decode_worker_id
@@ -183,47 +209,60 @@ class RedisTicketLedger:
         if not isinstance(lease_s, int | float) or isinstance(lease_s, bool):
             raise InvalidArgumentError(f"lease_s: a number, got {lease_s!r}", field="lease_s")
         deadline = redis_time(now + lease_s) if math.isfinite(lease_s) else "0"
-        token = FencingToken.new()
-        owner_key = self._keys.ticket_owner(token.ticket_id)
-        keys = self._ticket_keys(worker_id, [token.ticket_id])
-        args = [token.ticket_id, token.attempt, redis_time(now), deadline,
+        token = self._new_token(worker_id)
+        ticket_id = token.ticket_id
+        keys = [*self._ticket_keys(worker_id, [ticket_id]), self._keys.ticket_owner(ticket_id)]
+        args = [ticket_id, token.attempt, redis_time(now), deadline,
                 _script_arg(spec.num_blocks), _script_arg(lease_s), spec.deployment,
                 worker_id, spec.prefill_worker_id, spec.request_id,
-                _script_arg(spec.num_prompt_tokens)]
-        # One round trip: the id index, the worker set and the script that creates the ticket
-        # and reserves its blocks (atomic on its own, over the worker's hash-tagged keys).
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.set(owner_key, worker_id, px=to_ms(self._options.ticket_index_ttl_s), nx=True)
-            pipe.sadd(self._keys.ticket_workers(), worker_id)
-            self._scripts.queue(pipe, "open", keys, args)
-            if self._scripts.queue_replica_wait(pipe):
-                is_new, _, reply, num_acked = await pipe.execute(raise_on_error=False)
-            else:
-                (is_new, _, reply), num_acked = await pipe.execute(raise_on_error=False), None
-        try:
-            if isinstance(reply, redis_errors.NoScriptError):  # a restarted or flushed Redis
-                reply = await self._scripts("open", keys, args)
-            elif isinstance(reply, BaseException):
-                raise reply
-            elif num_acked is not None:
-                self._scripts.check_replica_acks(num_acked)
-            fields = unwrap_reply(reply)
-        except UnavailableError:
-            raise  # the ticket may exist (and be kept): its index stays, its lease ends it
-        except BaseException:
-            if is_new is True:
-                with contextlib.suppress(redis_errors.RedisError):
-                    await self._client.delete(owner_key)
-            raise
-        if is_new is not True:  # a UUID4 collision (or the index write failed): never reuse it
-            await self._scripts("release", [*keys], [
-                token.ticket_id, token.attempt, redis_time(now), self._purge_time(now),
-                self._backstop_ms, REASON_RELEASED])
-            if isinstance(is_new, BaseException):
-                raise is_new
-            raise AlreadyExistsError(f"ticket {token.ticket_id} exists", field="ticket_id")
-        self._remember_owner(token.ticket_id, worker_id)
+                _script_arg(spec.num_prompt_tokens), self._index_ttl_ms,
+                "1" if should_check_worker else "0"]
+        if not self._is_cluster:
+            # One node: the index an earlier release reads and the set of workers with tickets
+            # are written by the same script (on a cluster they live on other masters).
+            keys += [self._keys.legacy_ticket_owner(ticket_id), self._keys.ticket_workers()]
+        reply = await self._scripts("open", keys, args)
+        if reply[0] == "err" and reply[1] == "unverified":
+            raise WorkerUnverifiedError(worker_id)
+        fields = unwrap_reply(reply)  # a UUID collision is refused before anything is reserved
+        self._remember_owner(ticket_id, worker_id)
+        if self._is_cluster:
+            self._in_background(self._mark_opened_elsewhere(ticket_id, worker_id))
         return _ticket_from_fields(pairs(fields))
+
+    def _new_token(self, worker_id: str) -> FencingToken:
+        """A fresh ticket id; on a cluster it starts with ``slot_tag(worker_id)``, so its index
+        shares the worker's slot (the rest of the UUID stays random, its version bits too)."""
+        token = FencingToken.new()
+        if not self._is_cluster:
+            return token
+        tag = slot_tag(worker_id)
+        return FencingToken(tag + token.ticket_id[len(tag):], token.attempt)
+
+    async def _mark_opened_elsewhere(self, ticket_id: str, worker_id: str) -> None:
+        """A cluster's writes of a new ticket outside its worker's slot: the index an earlier
+        release reads and the set of workers with tickets (also rebuilt by every heartbeat's
+        reconcile). Off the ticket's path: a master that is down delays neither."""
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.set(self._keys.legacy_ticket_owner(ticket_id), worker_id, nx=True,
+                     px=self._index_ttl_ms)
+            pipe.sadd(self._keys.ticket_workers(), worker_id)
+            await pipe.execute()
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    async def finish_background_writes(self, timeout_s: float = 5.0) -> None:
+        """Wait (a while) for the writes put off the ticket path, before the client closes."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout_s)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("background index write failed: %s", task.exception())
 
     @store_call
     async def get(self, token: FencingToken) -> Ticket:
@@ -356,8 +395,9 @@ class RedisTicketLedger:
         now = self._clock()
         async with self._client.pipeline(transaction=False) as pipe:
             for ticket_id in reported:  # adoption needs the id -> worker index; harmless otherwise
-                pipe.set(self._keys.ticket_owner(ticket_id), worker_id, nx=True,
-                         px=to_ms(self._options.ticket_index_ttl_s))
+                for owner_key in (self._keys.ticket_owner(ticket_id),
+                                  self._keys.legacy_ticket_owner(ticket_id)):
+                    pipe.set(owner_key, worker_id, nx=True, px=self._index_ttl_ms)
             pipe.sadd(self._keys.ledger_workers(), worker_id)
             pipe.sadd(self._keys.ticket_workers(), worker_id)
             await pipe.execute()
@@ -413,11 +453,19 @@ class RedisTicketLedger:
                 *(self._keys.ticket(worker_id, ticket_id) for ticket_id in ticket_ids)]
 
     async def _shorten_owner_ttl(self, ticket_ids: Sequence[str]) -> None:
-        """Retired tickets need their id index only as long as their own retention."""
+        """Retired tickets need their id index only as long as their own retention. (On a
+        cluster off the caller's path: the earlier release's index lives on other masters.)"""
         if not ticket_ids:
             return
+        if self._is_cluster:
+            self._in_background(self._shorten_now(ticket_ids))
+        else:
+            await self._shorten_now(ticket_ids)
+
+    async def _shorten_now(self, ticket_ids: Sequence[str]) -> None:
         async with self._client.pipeline(transaction=False) as pipe:
             for ticket_id in ticket_ids:
                 pipe.pexpire(self._keys.ticket_owner(ticket_id), self._backstop_ms)
+                pipe.pexpire(self._keys.legacy_ticket_owner(ticket_id), self._backstop_ms)
             await pipe.execute()
 
