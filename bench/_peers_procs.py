@@ -46,6 +46,10 @@ class Started:
     note: str = ""
     netns: str = ""
     """A network namespace the load generator must run in to reach it ("" = this one)."""
+    grpc_address: str = ""
+    """pdserve only: the router's gRPC address."""
+    pool_address: str = ""
+    """pdserve only: the decode pool manager's gRPC address."""
 
     def stop(self) -> None:
         for stop in reversed(self.stops):
@@ -232,7 +236,8 @@ def start_pdserve_memory(work: Path) -> Started:
     return Started(url, "llama-3.1-8b", [process.pid], [stop])
 
 
-def start_pdserve_redis(work: Path) -> Started:
+def start_pdserve_redis(work: Path, worker_args: tuple[str, ...] = WORKER_ARGS,
+                        extra_env: dict[str, str] | None = None) -> Started:
     """Every service its own process on a private Redis and PostgreSQL."""
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
@@ -261,18 +266,22 @@ def start_pdserve_redis(work: Path) -> Started:
     started.stops.append(lambda: [p.stop() for p in reversed(processes)])
     stack = build_stack(processes, redis.url, postgres.url, num_prefill=1, num_decode=1,
                         router_args=("--http-port", "0", "--local-prefill-threshold-tokens", "0"),
-                        worker_args=WORKER_ARGS, extra_env={"PDSERVE_LOG_LEVEL": "WARNING"})
+                        worker_args=worker_args,
+                        extra_env={"PDSERVE_LOG_LEVEL": "WARNING", **(extra_env or {})})
     router = stack.routers[0]
     if not router.http_url:
         raise RuntimeError("the router did not print its HTTP address")
     started.base_url = router.http_url
+    started.grpc_address = router.grpc_address
+    started.pool_address = stack.pool_address("decode")
     wait_model(started.base_url, MODEL)
     postmaster = int((pg_dir / "data" / "postmaster.pid").read_text().split()[0])
     redis_process = redis._process  # noqa: SLF001 - its pid, for the CPU count
     started.pids = [p.pid for p in processes] + [postmaster] + (
         [redis_process.pid] if redis_process is not None else [])
-    started.note = (f"pdserve sim workers: {' '.join(WORKER_ARGS)}, the sim engine's default KV "
-                    "payload scale; every request disaggregated (local prefill threshold 0)")
+    scale = "" if "--kv-scale" in worker_args else ", the sim engine's default KV payload scale"
+    started.note = (f"pdserve sim workers: {' '.join(worker_args)}{scale}; every request "
+                    "disaggregated (local prefill threshold 0)")
     return started
 
 
