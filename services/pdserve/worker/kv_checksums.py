@@ -7,6 +7,8 @@ operator) can compare them ticket by ticket without reading KV memory.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +45,67 @@ def kv_checksum(kv_cache: KvCache, block_ids: Sequence[int]) -> int:
     for layer in range(kv_cache.layout.num_layers):
         crc = zlib.crc32(np.ascontiguousarray(kv_cache.layer_blocks(layer, ids)).data, crc)
     return crc
+
+
+_CRC_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-crc")
+"""Where handoff checksums are computed: zlib's CRC-32 and numpy's gather release the GIL, so
+the event loop goes on moving frames meanwhile."""
+
+
+def _crc_of_layers(kv_cache: KvCache, ids: np.ndarray, first: int, count: int, crc: int) -> int:
+    for layer in range(first, first + count):
+        crc = zlib.crc32(np.ascontiguousarray(kv_cache.layer_blocks(layer, ids)).data, crc)
+    return crc
+
+
+class LayerCrc:
+    """``kv_checksum`` of a handoff's blocks, built layer by layer as the layers are sent or
+    land, in a thread: when DONE comes the checksum is ready or nearly (at a real model's KV
+    size the whole computation takes milliseconds per side, and was on the request's path).
+
+    Layers must come in order 0, 1, ..., each with every block of ``block_ids`` (the checksum's
+    order); otherwise ``result`` computes the checksum whole, in the thread too."""
+
+    def __init__(self, kv_cache: KvCache, block_ids: Sequence[int] | np.ndarray) -> None:
+        self._kv_cache = kv_cache
+        self._ids = np.asarray(block_ids, dtype=np.int64)
+        self._next_layer = 0
+        self._task: asyncio.Task[int] | None = None
+        self._is_in_order = True
+
+    def add(self, first_layer: int, num_layers: int,
+            block_ids: Sequence[int] | np.ndarray) -> None:
+        """Layers ``first_layer ..`` are in place in ``block_ids`` (they will not change)."""
+        if not self._is_in_order:
+            return
+        if first_layer != self._next_layer or not np.array_equal(block_ids, self._ids):
+            self._is_in_order = False
+            self.close()
+            return
+        self._next_layer = first_layer + num_layers
+        self._task = asyncio.ensure_future(self._chain(self._task, first_layer, num_layers))
+
+    async def _chain(self, previous: asyncio.Task[int] | None, first: int, count: int) -> int:
+        crc = await previous if previous is not None else 0
+        return await asyncio.get_running_loop().run_in_executor(
+            _CRC_THREADS, _crc_of_layers, self._kv_cache, self._ids, first, count, crc)
+
+    async def result(self, block_ids: Sequence[int] | np.ndarray | None = None) -> int:
+        """The checksum of every layer of ``block_ids`` (default: the ids given at the start)."""
+        ids = self._ids if block_ids is None else np.asarray(block_ids, dtype=np.int64)
+        if (self._is_in_order and self._task is not None and np.array_equal(ids, self._ids)
+                and self._next_layer == self._kv_cache.layout.num_layers):
+            return await self._task
+        self.close()
+        return await asyncio.get_running_loop().run_in_executor(
+            _CRC_THREADS, _crc_of_layers, self._kv_cache, ids, 0,
+            self._kv_cache.layout.num_layers, 0)
+
+    def close(self) -> None:
+        """Stop the computation (the handoff ended without it)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
 
 
 def checksum_of(kv_cache: KvCache, token: FencingToken, block_ids: Sequence[int], *,

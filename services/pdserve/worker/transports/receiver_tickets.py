@@ -321,11 +321,11 @@ class ReceiverTickets:
 
     def admit_done(self, token: FencingToken, first_token_id: int, prefill_compute_s: float,
                    num_layers: int, *, frame_version: int = 0,
-                   kv_crc32: int | None = None) -> None:
+                   kv_crc32: int | None = None, landed_kv_crc32: int | None = None) -> None:
         """The sender's DONE (push transports: every layer was sent before it). Raises
         ``FrameRefusedError`` unless the ticket is now SUCCESS. ``kv_crc32``: the sender's
         checksum of the KV it sent; the ticket fails (``checksum_mismatch``) unless what landed
-        has the same."""
+        has the same (``landed_kv_crc32`` when the caller computed it as the layers landed)."""
         ticket = self._live_ticket(token, "DONE", 0)
         if num_layers != ticket.num_layers or not ticket.is_complete:
             missing = [layer for layer, n in enumerate(ticket.num_received)
@@ -334,10 +334,12 @@ class ReceiverTickets:
                                 f"sender offered {num_layers} layers; "
                                 f"layers missing blocks: {missing[:8]}")
         if kv_crc32 is not None:
-            if self._kv_crc32_of is None:
-                raise self._refusal(token, "DONE", 0, RejectReason.PROTOCOL,
-                                    "this receiver cannot check a KV checksum")
-            landed = self._kv_crc32_of(ticket.dst_block_ids)
+            landed = landed_kv_crc32
+            if landed is None:
+                if self._kv_crc32_of is None:
+                    raise self._refusal(token, "DONE", 0, RejectReason.PROTOCOL,
+                                        "this receiver cannot check a KV checksum")
+                landed = self._kv_crc32_of(ticket.dst_block_ids)
             if landed != kv_crc32:
                 raise self._refusal(token, "DONE", 0, RejectReason.CHECKSUM_MISMATCH,
                                     f"sender's KV CRC-32 {kv_crc32:#010x}, landed "

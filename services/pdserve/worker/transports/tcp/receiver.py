@@ -18,6 +18,7 @@ import numpy as np
 from pdserve.common.errors import IllegalTransitionError
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
+from pdserve.worker.kv_checksums import LayerCrc
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.addresses import format_address
 from pdserve.worker.transports.base import KvReceiver
@@ -54,6 +55,11 @@ logger = logging.getLogger(__name__)
 _MAX_SILENCED = 1024
 _NO_BLOCK_IDS = np.zeros(0, dtype=np.int64)
 _NO_BLOCK_IDS.flags.writeable = False
+
+
+MAX_TRACKED_CRCS = 4096
+"""Tickets whose landed-KV checksum is being built at once (the oldest is dropped past it: its
+DONE then computes the checksum whole)."""
 
 
 def _error_frame(token: FencingToken | None, refused: FrameType | int, layer: int,
@@ -137,6 +143,8 @@ class TcpKvReceiver(KvReceiver):
         self.num_accepted = 0
         """Connections accepted since start (senders keep theirs open across tickets)."""
         self.tickets.on_failed = self._on_ticket_failed
+        self._crcs: collections.OrderedDict[FencingToken, LayerCrc] = collections.OrderedDict()
+        """Version-2 tickets' landed-KV CRC-32, computed as their layers land (DONE checks it)."""
 
     async def start(self, host: str, port: int) -> str:
         if self._listener is not None:
@@ -199,6 +207,7 @@ class TcpKvReceiver(KvReceiver):
 
     def _on_ticket_failed(self, token: FencingToken, reason: str) -> None:
         """Tell the sender at once (it may stop sending); best effort."""
+        self._drop_crc(token)
         connection = self._token_to_connection.get(token)
         if connection is not None:
             self._unbind(connection, token)
@@ -296,15 +305,20 @@ class TcpKvReceiver(KvReceiver):
                     await self._refused(connection, header, exc.rejection)
                     return True
                 self._bind(connection, token)
+                if header.version >= 2:
+                    self._track_crc(token, block_ids)
                 if not header.flags & FLAG_NO_ACK:
                     await self._reply(connection, _ack_frame(token, header))
             case FrameType.DONE:
                 assert token is not None
                 done = DonePayload.decode(payload, header.flags)
+                crc = self._crcs.pop(token, None)
+                landed = (await crc.result() if crc is not None and done.kv_crc32 is not None
+                          and self.tickets.is_live(token) else None)
                 try:
                     self.tickets.admit_done(token, done.first_token_id, done.prefill_compute_s,
                                             done.num_layers, frame_version=header.version,
-                                            kv_crc32=done.kv_crc32)
+                                            kv_crc32=done.kv_crc32, landed_kv_crc32=landed)
                 except FrameRefusedError as exc:
                     await self._refused(connection, header, exc.rejection)
                     return True
@@ -341,5 +355,19 @@ class TcpKvReceiver(KvReceiver):
                                    block_ids, connection.block_runs(block_ids))
         if await connection.io.recv_into_views(views, admission.still_writable):
             self.tickets.layer_landed(admission, header.payload_nbytes)
+            crc = self._crcs.get(token)
+            if crc is not None:
+                crc.add(header.layer, num_layers, block_ids)
+
+    def _track_crc(self, token: FencingToken, block_ids: np.ndarray) -> None:
+        self._drop_crc(token)
+        while len(self._crcs) >= MAX_TRACKED_CRCS:
+            self._crcs.popitem(last=False)[1].close()
+        self._crcs[token] = LayerCrc(self.kv_cache, block_ids)
+
+    def _drop_crc(self, token: FencingToken) -> None:
+        crc = self._crcs.pop(token, None)
+        if crc is not None:
+            crc.close()
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
-from pdserve.worker.kv_checksums import kv_checksum
+from pdserve.worker.kv_checksums import LayerCrc
 from pdserve.worker.transports.addresses import parse_address
 from pdserve.worker.transports.base import KvSender
 from pdserve.worker.transports.block_views import coalesce_block_runs, layers_block_views
@@ -298,6 +298,8 @@ class TcpKvSender(KvSender):
         self._src_of_dst: dict[int, int] = {}
         """Destination block id -> the source block offered for it (for DONE's CRC-32)."""
         self._mapped: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._crc: LayerCrc | None = None
+        """DONE's CRC-32 (version 2), computed as the layers go (when each names every block)."""
 
     @property
     def frame_version(self) -> int:
@@ -349,12 +351,21 @@ class TcpKvSender(KvSender):
             self._src_runs = coalesce_block_runs(self._src_ids)
         src_ids = self._src_ids
         assert src_ids is not None
+        runs = _layer_runs(layers, len(src_ids) * self.kv_cache.layout.block_nbytes,
+                           self._settings.multi_layer_frame_nbytes)
         if self._version >= 2:
             self._map_blocks(offers[0].src_block_ids, offers[0].dst_block_ids)
+            assert self._dest is not None
+            if self._crc is None:
+                self._crc = LayerCrc(self.kv_cache, src_ids)
+            is_whole = offers[0].dst_block_ids == tuple(self._dest.block_ids)
+            for first, count in runs:
+                # Source blocks in destination order, as kv_checksum takes them; else the CRC
+                # is computed whole at DONE.
+                self._crc.add(first, count, src_ids if is_whole else ())
         block_nbytes = self.kv_cache.layout.block_nbytes
         views: list[bytes | memoryview] = []
-        for first, count in _layer_runs(layers, len(src_ids) * block_nbytes,
-                                        self._settings.multi_layer_frame_nbytes):
+        for first, count in runs:
             views.append(layer_frame_prefix(self._token, first, dst_wire, block_nbytes, count,
                                             self._version))
             views.extend(layers_block_views(self.kv_cache, range(first, first + count), src_ids,
@@ -370,7 +381,7 @@ class TcpKvSender(KvSender):
             self._mapped = (src_block_ids, dst_block_ids)
             self._src_of_dst.update(zip(dst_block_ids, src_block_ids, strict=True))
 
-    def _sent_kv_crc32(self) -> int | None:
+    async def _sent_kv_crc32(self) -> int | None:
         """``kv_checksum`` of the source blocks in destination order; None unless every
         destination block was offered (the receiver refuses such a DONE anyway)."""
         assert self._dest is not None
@@ -378,12 +389,15 @@ class TcpKvSender(KvSender):
             src_ids = [self._src_of_dst[block_id] for block_id in self._dest.block_ids]
         except KeyError:
             return None
-        return kv_checksum(self.kv_cache, src_ids)
+        crc, self._crc = self._crc or LayerCrc(self.kv_cache, src_ids), None
+        return await crc.result(src_ids)
 
     async def finish(self, first_token_id: int, prefill_compute_s: float) -> TransferResult:
         if self._state.is_terminal or self._done_reply is None:
             self._raise_failed()
-        kv_crc32 = self._sent_kv_crc32() if self._version >= 2 else None
+        kv_crc32 = await self._sent_kv_crc32() if self._version >= 2 else None
+        if self._state.is_terminal:  # failed (an ERROR, the link) while the CRC was computed
+            self._raise_failed()
         done = DonePayload(first_token_id, prefill_compute_s, len(self._offered_layers), kv_crc32)
         await self._send([encode_frame(FrameType.DONE, self._token, payload=done.encode(),
                                        flags=done.flags, version=self._version)])
@@ -399,6 +413,9 @@ class TcpKvSender(KvSender):
         await self.close()
 
     async def close(self) -> None:
+        if self._crc is not None:
+            self._crc.close()
+            self._crc = None
         self._fail("closed before finish")
         self._send_abort("sender closed before finish")
         connection, self._connection = self._connection, None
