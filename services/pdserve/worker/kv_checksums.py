@@ -40,11 +40,8 @@ class KvChecksum:
 def kv_checksum(kv_cache: KvCache, block_ids: Sequence[int]) -> int:
     """CRC-32 of every layer of ``block_ids`` (layer-major, blocks in sequence order): what both
     sides of a handoff compute over the prompt's KV, so an audit can compare them."""
-    crc = 0
-    ids = np.asarray(block_ids, dtype=np.int64)
-    for layer in range(kv_cache.layout.num_layers):
-        crc = zlib.crc32(np.ascontiguousarray(kv_cache.layer_blocks(layer, ids)).data, crc)
-    return crc
+    return _crc_of_layers(kv_cache, np.asarray(block_ids, dtype=np.int64), 0,
+                          kv_cache.layout.num_layers, 0)
 
 
 _CRC_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-crc")
@@ -53,8 +50,24 @@ the event loop goes on moving frames meanwhile."""
 
 
 def _crc_of_layers(kv_cache: KvCache, ids: np.ndarray, first: int, count: int, crc: int) -> int:
+    """``kv_checksum`` of layers ``first ..`` onwards from ``crc``. Host memory is read in place,
+    one run of consecutive blocks at a time (a run is contiguous); other memory (a GPU's) is
+    gathered to the host first."""
+    buffers = kv_cache.layer_buffers
+    if len(buffers) != kv_cache.layout.num_layers:
+        for layer in range(first, first + count):
+            crc = zlib.crc32(np.ascontiguousarray(kv_cache.layer_blocks(layer, ids)).data, crc)
+        return crc
+    runs: list[list[int]] = []
+    for block_id in ids.tolist():
+        if runs and runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, block_id + 1])
     for layer in range(first, first + count):
-        crc = zlib.crc32(np.ascontiguousarray(kv_cache.layer_blocks(layer, ids)).data, crc)
+        buffer = buffers[layer]
+        for start, end in runs:
+            crc = zlib.crc32(buffer[start:end].data, crc)
     return crc
 
 
