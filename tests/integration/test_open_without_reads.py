@@ -132,3 +132,15 @@ async def test_a_ledger_without_a_view_falls_back_to_the_record(cluster: Cluster
     await cluster.backend.workers.set_state("d-1", WorkerState.DRAINING)  # no view written
     with pytest.raises(UnavailableError, match="is draining"):
         await cluster.open()
+
+
+async def test_every_heartbeat_keeps_the_view_alive(cluster: Cluster) -> None:
+    """A decode heartbeat that carries no block report (a worker still loading reports no
+    capacity) extends the view with the record, or the worker would expire for opens only."""
+    await cluster.join()
+    ttl_s = cluster.decode.policy.record_ttl_s
+    for _ in range(3):
+        cluster.clock.advance(ttl_s * 0.75)
+        await cluster.decode.heartbeat(Heartbeat("d-1", WorkerState.READY, WorkerLoad()))
+        await cluster.prefill.heartbeat(Heartbeat("p-1", WorkerState.READY, WorkerLoad()))
+    await cluster.open()

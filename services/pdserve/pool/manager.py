@@ -239,6 +239,7 @@ class PoolManager:
         record = await self._backend.workers.heartbeat(
             beat.worker_id, beat.load, self.policy.record_ttl_s
         )
+        is_described = False
         if self.policy.role is WorkerRole.DECODE and beat.held_blocks is not None:
             if beat.load.num_total_blocks > 0:
                 # Reconcile first: after a store loss it re-adopts the sequences the worker holds
@@ -250,6 +251,9 @@ class PoolManager:
                 drop_tokens = reconciled.stale
                 await self._backend.tickets.set_capacity(
                     beat.worker_id, beat.load.num_total_blocks, self._view(record))
+                is_described = True
+        if not is_described:
+            await self._describe(record)  # its view's expiry follows the record's
         if self.policy.role is WorkerRole.PREFILL and (
             beat.added_prefix_hashes or beat.removed_prefix_hashes or beat.is_full_prefix_report
         ):
