@@ -376,6 +376,35 @@ async def test_mark_held_then_release_frees_exactly_once(harness: Harness) -> No
     assert (await tickets.get(ticket.token)).state is TicketState.DONE
 
 
+async def test_hold_done_is_done_then_held_in_one_step(harness: Harness) -> None:
+    tickets = harness.backend.tickets
+    await tickets.set_capacity("d1", 32)
+    for state in (TicketState.OPEN, TicketState.PREFILLING, TicketState.TRANSFERRING,
+                  TicketState.DONE):
+        ticket = await ticket_in(harness.backend, state, num_blocks=2)
+        reserved, held = await used_blocks(harness.backend)
+        done, is_first = await tickets.hold_done(ticket.token)
+        assert (done.state, done.is_held, is_first) == (TicketState.DONE, True, True)
+        assert await used_blocks(harness.backend) == (reserved - 2, held + 2)
+        again, is_first = await tickets.hold_done(ticket.token)  # a repeated DONE
+        assert (again, is_first) == (done, False)
+        assert await used_blocks(harness.backend) == (reserved - 2, held + 2)
+        await tickets.release(ticket.token)
+        with pytest.raises(StaleTokenError):  # released: a late DONE holds nothing again
+            await tickets.hold_done(ticket.token)
+    aborted = await ticket_in(harness.backend, TicketState.ABORTED, num_blocks=2)
+    with pytest.raises(IllegalTransitionError):
+        await tickets.hold_done(aborted.token)
+    lapsed = await ticket_in(harness.backend, TicketState.TRANSFERRING, num_blocks=3)
+    harness.clock.advance(LEASE_S + 1)
+    with pytest.raises(StaleTokenError):
+        await tickets.hold_done(lapsed.token)
+    assert (await tickets.get(lapsed.token)).state is TicketState.TRANSFERRING
+    assert await used_blocks(harness.backend) == (3, 0)  # the reaper frees it, not DONE
+    with pytest.raises(StaleTokenError):
+        await tickets.hold_done(FencingToken.new())
+
+
 async def test_release_of_reserved_blocks_aborts_a_live_ticket(harness: Harness) -> None:
     tickets = harness.backend.tickets
     await tickets.set_capacity("d1", 16)

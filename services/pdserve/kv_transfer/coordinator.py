@@ -198,17 +198,9 @@ class KvTransferCoordinator:
         """Move the ticket forward (a repeated or late report changes nothing). On DONE its
         blocks become held and ``record``, the transfer's statistics, is kept: a record, or a
         function of the held ticket that makes it (so no read of the ticket comes first)."""
-        current = await self._ledger.get(token)
-        if state is current.state:
-            ticket = current  # a repeated report (a retried call) changes nothing
-        elif _is_behind(state, current.state):
-            return current  # a late progress report after a later state: ignore, don't fail
-        else:
-            ticket = await self._ledger.transition(token, state)
         if state is TicketState.DONE:
-            is_first_done = not ticket.is_held
-            if is_first_done:
-                ticket = await self._ledger.mark_held(token)
+            # One step: DONE (a repeated report changes nothing) and the blocks held.
+            ticket, is_first_done = await self._ledger.hold_done(token)
             if callable(record):
                 record = record(ticket)
             if record is not None:
@@ -222,6 +214,14 @@ class KvTransferCoordinator:
                     # acknowledged once the record is safe, never before.
                     self._stats_sink.record(record)
                     await self._stats_sink.spooled()
+        else:
+            current = await self._ledger.get(token)
+            if state is current.state:
+                ticket = current  # a repeated report (a retried call) changes nothing
+            elif _is_behind(state, current.state):
+                return current  # a late progress report after a later state: ignore, don't fail
+            else:
+                ticket = await self._ledger.transition(token, state)
         self._publish(ticket)
         return ticket
 

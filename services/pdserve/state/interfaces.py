@@ -119,6 +119,12 @@ class TicketLedger(Protocol):
         """Reserved -> held (no lease from now on). Ticket must be DONE."""
         ...
 
+    async def hold_done(self, token: FencingToken) -> tuple[Ticket, bool]:
+        """``transition`` to DONE unless the ticket is DONE already, then ``mark_held``, in one
+        step (the same errors); returns the ticket and whether this call held its blocks (False
+        for a repeated DONE)."""
+        ...
+
     async def release(self, token: FencingToken) -> Ticket:
         """Free the ticket's blocks (held or reserved). A second release is ``StaleTokenError``."""
         ...

@@ -192,18 +192,20 @@ class MemoryTicketLedger:
         state = TicketState(state)
         async with self._lock:
             now = self._now()
-            entry = self._entry(token, now)
-            current = entry.ticket.state
-            if state not in TICKET_TRANSITIONS[current]:
-                raise IllegalTransitionError(
-                    f"ticket {token.ticket_id}: {current} -> {state} is not allowed"
-                )
-            reason = reason or entry.ticket.reason
-            if state in FREEING_STATES:
-                return self._free(entry, now, state=state, reason=reason)
-            self._check_lease(entry, now)
-            entry.ticket = replace(entry.ticket, state=state, reason=reason, updated_s=now)
-            return entry.ticket
+            return self._transition(self._entry(token, now), state, reason, now)
+
+    def _transition(self, entry: _Entry, state: TicketState, reason: str, now: float) -> Ticket:
+        current = entry.ticket.state
+        if state not in TICKET_TRANSITIONS[current]:
+            raise IllegalTransitionError(
+                f"ticket {entry.ticket.token.ticket_id}: {current} -> {state} is not allowed"
+            )
+        reason = reason or entry.ticket.reason
+        if state in FREEING_STATES:
+            return self._free(entry, now, state=state, reason=reason)
+        self._check_lease(entry, now)
+        entry.ticket = replace(entry.ticket, state=state, reason=reason, updated_s=now)
+        return entry.ticket
 
     async def extend(self, token: FencingToken, lease_s: float) -> Ticket:
         check_ttl(lease_s, "lease_s")
@@ -223,23 +225,36 @@ class MemoryTicketLedger:
     async def mark_held(self, token: FencingToken) -> Ticket:
         async with self._lock:
             now = self._now()
+            return self._mark_held(self._entry(token, now), now)
+
+    async def hold_done(self, token: FencingToken) -> tuple[Ticket, bool]:
+        async with self._lock:
+            now = self._now()
             entry = self._entry(token, now)
             if entry.ticket.state is not TicketState.DONE:
-                raise IllegalTransitionError(
-                    f"ticket {token.ticket_id} is {entry.ticket.state}: only DONE can be held"
-                )
-            self._check_owned(entry)
+                self._transition(entry, TicketState.DONE, "", now)
             if entry.holding is BlockHolding.HELD:
-                return entry.ticket
-            self._check_lease(entry, now)
-            worker_id = entry.ticket.decode_worker_id
-            ledger = self._ledgers[worker_id]
-            ledger.num_reserved_blocks -= entry.ticket.num_blocks
-            ledger.num_held_blocks += entry.ticket.num_blocks
-            self._leases_by_worker[worker_id].pop(token.ticket_id, None)
-            entry.holding = BlockHolding.HELD
-            entry.ticket = replace(entry.ticket, is_held=True, lease_deadline_s=0.0, updated_s=now)
+                return entry.ticket, False
+            return self._mark_held(entry, now), True
+
+    def _mark_held(self, entry: _Entry, now: float) -> Ticket:
+        ticket_id = entry.ticket.token.ticket_id
+        if entry.ticket.state is not TicketState.DONE:
+            raise IllegalTransitionError(
+                f"ticket {ticket_id} is {entry.ticket.state}: only DONE can be held"
+            )
+        self._check_owned(entry)
+        if entry.holding is BlockHolding.HELD:
             return entry.ticket
+        self._check_lease(entry, now)
+        worker_id = entry.ticket.decode_worker_id
+        ledger = self._ledgers[worker_id]
+        ledger.num_reserved_blocks -= entry.ticket.num_blocks
+        ledger.num_held_blocks += entry.ticket.num_blocks
+        self._leases_by_worker[worker_id].pop(ticket_id, None)
+        entry.holding = BlockHolding.HELD
+        entry.ticket = replace(entry.ticket, is_held=True, lease_deadline_s=0.0, updated_s=now)
+        return entry.ticket
 
     async def release(self, token: FencingToken) -> Ticket:
         async with self._lock:

@@ -132,7 +132,7 @@ class LuaScripts:
 
     _LEDGER = (
         "set_capacity", "open", "transition", "extend", "mark_held", "release", "reap",
-        "drop_worker", "reconcile", "describe_worker",
+        "drop_worker", "reconcile", "describe_worker", "hold_done",
     )
     _PLAIN = ("worker_heartbeat", "worker_set_state", "events_head", "events_publish",
               "tokenizer_touch", "threshold_publish")

@@ -317,6 +317,14 @@ class RedisTicketLedger:
         return await self._token_script("mark_held", token, [redis_time(self._clock())])
 
     @store_call
+    async def hold_done(self, token: FencingToken) -> tuple[Ticket, bool]:
+        allowed_from = " ".join(
+            s for s, targets in TICKET_TRANSITIONS.items() if TicketState.DONE in targets)
+        reply = await self._token_reply(
+            "hold_done", token, [redis_time(self._clock()), allowed_from])
+        return _ticket_from_fields(pairs(reply[1:])), reply[0] == "1"
+
+    @store_call
     async def release(self, token: FencingToken) -> Ticket:
         now = self._clock()
         ticket = await self._token_script(
@@ -366,6 +374,11 @@ class RedisTicketLedger:
     ) -> list[Ticket]:
         now = self._clock()
         worker_ids = await self._one_or_all(worker_id, self._keys.ticket_workers())
+        if worker_id is None:
+            # Workers with a ledger too: on a cluster the set of workers with tickets is
+            # written off the open's path, so it may not name a worker's first ticket yet.
+            with_ledger = texts(await self._client.smembers(self._keys.ledger_workers()))
+            worker_ids = sorted(set(worker_ids) | set(with_ledger))
         tickets: list[Ticket] = []
         for one_worker_id in worker_ids:
             index_key = self._keys.ticket_index(one_worker_id)
@@ -428,14 +441,17 @@ class RedisTicketLedger:
     # -- internals --------------------------------------------------------------------------
 
     async def _token_script(self, name: str, token: FencingToken, args: list[Any]) -> Ticket:
+        return _ticket_from_fields(pairs(await self._token_reply(name, token, args)))
+
+    async def _token_reply(self, name: str, token: FencingToken, args: list[Any]) -> list[Any]:
+        """The unwrapped reply of a script over one ticket (found by its id index)."""
         worker_id = await self._owner_of(token.ticket_id)
         if worker_id is None:
             raise StaleTokenError(f"unknown ticket {token.ticket_id}")
         keys = [*self._keys.ledger_keys(worker_id), self._keys.ticket(worker_id, token.ticket_id)]
-        reply = unwrap_reply(
+        return unwrap_reply(
             await self._scripts(name, keys, [token.ticket_id, token.attempt, *args])
         )
-        return _ticket_from_fields(pairs(reply))
 
     async def _one_or_all(self, worker_id: str | None, set_key: str) -> list[str]:
         """``[worker_id]``, or for None every worker of the set at ``set_key``, sorted."""
