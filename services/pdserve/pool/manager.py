@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from pdserve.common.errors import (
     InvalidArgumentError,
     NotFoundError,
     UnauthenticatedError,
+    UnavailableError,
 )
 from pdserve.common.hf_tokenizer import HfTokenizer
 from pdserve.common.leadership import LeaderElector
@@ -135,6 +137,9 @@ class PoolManager:
         self._expert_loads = expert_loads or expert_load_store_for(backend)
         self._prefix_index = prefix_index
         self._clock = clock
+        self._store_failed_s = -math.inf
+        """When a store call last failed UNAVAILABLE here (heartbeats lost then are no
+        worker's silence)."""
         self._provisioner = provisioner
         self._lifecycle_sink = lifecycle_sink
         self._launched: dict[str, str] = {}  # worker_id -> deployment, launched and not yet gone
@@ -201,6 +206,13 @@ class PoolManager:
         return record
 
     async def heartbeat(self, beat: Heartbeat) -> HeartbeatDirectives:
+        try:
+            return await self._heartbeat(beat)
+        except UnavailableError:
+            self._store_failed_s = self._clock()  # the worker spoke; the store did not listen
+            raise
+
+    async def _heartbeat(self, beat: Heartbeat) -> HeartbeatDirectives:
         expert_report = None
         if beat.expert_token_counts or beat.num_moe_layers:
             # Validated before anything changes: a malformed report refuses the whole heartbeat.
@@ -355,7 +367,11 @@ class PoolManager:
         for record in records:
             if record.state in (WorkerState.FAILED, WorkerState.DRAINED):
                 continue
-            if now - record.last_heartbeat_s > self.policy.heartbeat_timeout_s:
+            # A heartbeat the store could not take is not the worker's silence: count from the
+            # last store failure this manager saw too (a failover can take longer than the
+            # timeout; every worker would be failed the moment the store answers again).
+            heard_s = max(record.last_heartbeat_s, self._store_failed_s)
+            if now - heard_s > self.policy.heartbeat_timeout_s:
                 failed.append(await self._fail(record, "missed heartbeats"))
         return failed
 
@@ -485,7 +501,9 @@ class PoolManager:
                 if loop.time() >= next_actuation and self._may_actuate():
                     await self.actuate(deployments)
                     next_actuation = loop.time() + self.policy.actuate_interval_s
-            except Exception:  # noqa: BLE001 - keep managing through store hiccups
+            except Exception as exc:  # noqa: BLE001 - keep managing through store hiccups
+                if isinstance(exc, UnavailableError):
+                    self._store_failed_s = self._clock()
                 logger.exception("pool manager pass failed")
             try:
                 await asyncio.wait_for(stop.wait(), self.policy.health_interval_s)
