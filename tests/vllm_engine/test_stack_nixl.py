@@ -50,7 +50,10 @@ TURN_ONE = _prompt(8 * BLOCK_SIZE + 10, 30)
 """A first turn of eight full blocks (and a partial one, which no engine caches)."""
 MAX_FILLERS = 96
 _LIVE = (pb.TICKET_STATE_OPEN, pb.TICKET_STATE_PREFILLING, pb.TICKET_STATE_TRANSFERRING)
-FAILOVER_TOKENS = 64
+FAILOVER_TOKENS = 192
+"""Long enough that vLLM is still decoding after several paused outputs: it decodes on during
+each pause and what it made comes with the next output, so with 64 tokens a fast engine (a
+quiet machine) finished in two or three outputs and the kill after the third missed."""
 KILL_AFTER_OUTPUTS = (1, 3)
 OUTPUT_PAUSE_S = 0.1
 """Before each decode output is handed on: the client kills within milliseconds of its k-th
