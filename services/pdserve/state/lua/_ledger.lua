@@ -60,6 +60,15 @@ local function free_blocks(key, t, now, purge_s, backstop_ms, new_state, reason)
   redis.call('PEXPIRE', key, backstop_ms)
 end
 
+-- Reserved -> held: the ticket's blocks now belong to its running sequence (no lease from now on).
+-- Callers check the ticket is DONE, owns its blocks and its lease has not lapsed.
+local function hold_blocks(key, t, now)
+  redis.call('HINCRBY', LEDGER, 'num_reserved_blocks', -t.num_blocks)
+  redis.call('HINCRBY', LEDGER, 'num_held_blocks', t.num_blocks)
+  redis.call('ZREM', LEASES, t.id)
+  redis.call('HSET', key, 'holding', 'held', 'lease_deadline_s', '0.0', 'updated_s', now)
+end
+
 -- True when every ticket that owns blocks on this worker is among `ids` (a set), i.e. no ticket
 -- was opened between the caller listing them and this script running.
 local function covers_live(ids)

@@ -24,10 +24,7 @@ local held = '0'
 if t.holding ~= 'held' then
   e = check_lease(t, now)
   if e then return e end
-  redis.call('HINCRBY', LEDGER, 'num_reserved_blocks', -t.num_blocks)
-  redis.call('HINCRBY', LEDGER, 'num_held_blocks', t.num_blocks)
-  redis.call('ZREM', LEASES, t.id)
-  redis.call('HSET', key, 'holding', 'held', 'lease_deadline_s', '0.0', 'updated_s', now)
+  hold_blocks(key, t, now)
   held = '1'
 end
 local reply = hash_reply(key)

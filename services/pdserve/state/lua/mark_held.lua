@@ -11,8 +11,5 @@ if e then return e end
 if t.holding == 'held' then return hash_reply(key) end
 e = check_lease(t, now)
 if e then return e end
-redis.call('HINCRBY', LEDGER, 'num_reserved_blocks', -t.num_blocks)
-redis.call('HINCRBY', LEDGER, 'num_held_blocks', t.num_blocks)
-redis.call('ZREM', LEASES, t.id)
-redis.call('HSET', key, 'holding', 'held', 'lease_deadline_s', '0.0', 'updated_s', now)
+hold_blocks(key, t, now)
 return hash_reply(key)

@@ -56,6 +56,9 @@ SCRIPT_CHUNK_TICKETS = 500
 
 logger = logging.getLogger(__name__)
 
+_DONE_FROM = " ".join(s for s, targets in TICKET_TRANSITIONS.items() if TicketState.DONE in targets)
+"""The states a ticket may move to DONE from (``hold_done``'s argument)."""
+
 MAX_SCRIPT_RACES = 8
 """drop_worker/reconcile retry this often when a ticket is opened between listing and script."""
 
@@ -318,10 +321,8 @@ class RedisTicketLedger:
 
     @store_call
     async def hold_done(self, token: FencingToken) -> tuple[Ticket, bool]:
-        allowed_from = " ".join(
-            s for s, targets in TICKET_TRANSITIONS.items() if TicketState.DONE in targets)
         reply = await self._token_reply(
-            "hold_done", token, [redis_time(self._clock()), allowed_from])
+            "hold_done", token, [redis_time(self._clock()), _DONE_FROM])
         return _ticket_from_fields(pairs(reply[1:])), reply[0] == "1"
 
     @store_call
