@@ -217,7 +217,10 @@ class Injector:
             else:
                 raise ValueError(f"unknown fault {name!r}")
         except HarnessFailure as exc:
-            record.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            # What failed (the first line) and what the process printed last: a restarted
+            # process that exits says why in its last lines.
+            first, *rest = str(exc).splitlines() or [""]
+            record.error = "\n".join([f"{type(exc).__name__}: {first[:300]}", *rest[-25:]])
         if not record.error and not record.recovered_s and name != "kill_governor":
             record.error = "the stack did not return to full strength"
         log(f"  {name}: victim {record.victim or '-'}, recovered after {record.recovery_s:.1f}s "
@@ -243,7 +246,7 @@ class Injector:
         record.victim = f"{victim.name} ({victim.worker_id[:10]})"
         await asyncio.to_thread(kill9, victim)  # reaps it
         # A supervisor notices the death; the pools notice the missed heartbeats.
-        is_failed = await asyncio.to_thread(self._wait_not_ready, victim.worker_id, 30.0)
+        is_failed = await asyncio.to_thread(self._wait_not_ready, role, victim.worker_id, 30.0)
         record.details["detected_s"] = round(time.monotonic() - record.injected_s, 2)
         if not is_failed:
             record.error = "the pools still list the killed worker READY after 30s"
@@ -251,10 +254,10 @@ class Injector:
         await asyncio.to_thread(self.stack.restart, victim)
         await self._recover(record)
 
-    def _wait_not_ready(self, worker_id: str, timeout_s: float) -> bool:
+    def _wait_not_ready(self, role: str, worker_id: str, timeout_s: float) -> bool:
         def gone() -> bool:
             return not any(w.worker_id == worker_id and w.state == pb.WORKER_STATE_READY
-                           for w in list_workers(self.stack.services.pool_address("decode")))
+                           for w in list_workers(self.stack.services.pool_address(role)))
         return wait_until(gone, timeout_s, 0.1)
 
     async def _kill_replica(self, record: FaultRecord, kind: str) -> None:

@@ -245,8 +245,11 @@ def processes() -> Iterator[list[ServiceProcess]]:
     if log_dir:  # every line of every process, for a failure the summary below cannot explain
         folder = Path(log_dir) / uuid.uuid4().hex[:8]
         folder.mkdir(parents=True, exist_ok=True)
-        for process in started:
-            (folder / f"{process.name}.log").write_text("\n".join(process.lines) + "\n")
+        seen: dict[str, int] = {}
+        for process in started:  # a restarted process has its predecessor's name: .2, .3, ...
+            seen[process.name] = seen.get(process.name, 0) + 1
+            suffix = f".{seen[process.name]}" if seen[process.name] > 1 else ""
+            (folder / f"{process.name}{suffix}.log").write_text("\n".join(process.lines) + "\n")
     for process in started:  # shown by pytest with a failure, or with -s
         noteworthy = [line for line in process.lines if _NOTEWORTHY.search(line)]
         if noteworthy:

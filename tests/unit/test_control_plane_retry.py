@@ -1,19 +1,24 @@
 """A worker's DONE reports and releases, which only it can send, are repeated through a
 state-store failover (UNAVAILABLE, or an attempt that timed out while the store stalled) for
 ``REPORT_DEADLINE_S``; a lease renewal is not repeated past its short deadline (a late one would
-extend a lease its worker stopped renewing)."""
+extend a lease its worker stopped renewing). A starting worker asks a pool manager that does not
+answer yet again until its registration deadline; a refused join token fails at once."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
 import pytest
 from grpc.aio import AioRpcError, Metadata
+from helpers.private_redis import free_port
 
+from pdserve.api.v1 import common_pb2 as pb
+from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
 from pdserve.common.errors import PdserveError
 from pdserve.common.types import FencingToken, TicketState
-from pdserve.worker.control import GrpcControlPlane
+from pdserve.worker.control import GrpcControlPlane, PoolClient
 
 
 def _error(code: grpc.StatusCode) -> AioRpcError:
@@ -69,3 +74,46 @@ async def test_a_refused_release_and_a_timed_out_renewal_are_not_repeated() -> N
     with pytest.raises(PdserveError):
         await _plane(renew).renew(token, 5.0)
     assert len(renew.timeouts) == 1
+
+
+# -- registration -------------------------------------------------------------------------------
+
+
+class _LatePool(pool_pb2_grpc.PoolServiceServicer):
+    """A pool manager that refuses bad join tokens and registers everyone else."""
+
+    def __init__(self) -> None:
+        self.num_registered = 0
+
+    async def Register(self, request: pool_pb2.RegisterRequest,
+                       context: grpc.aio.ServicerContext) -> pool_pb2.RegisterResponse:
+        if request.join_token != "good":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "join_token: not valid")
+        self.num_registered += 1
+        return pool_pb2.RegisterResponse(worker_id="d-late", heartbeat_interval_ms=500)
+
+
+async def test_a_worker_started_before_its_pool_manager_registers_once_it_listens() -> None:
+    port = free_port()
+    pool = _LatePool()
+    server = grpc.aio.server()
+    pool_pb2_grpc.add_PoolServiceServicer_to_server(pool, server)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        client = PoolClient(channel, "good", timeout_s=1.0)
+        with pytest.raises(PdserveError) as refused:  # one attempt: nothing listens yet
+            await client.register(pb.WorkerInfo(), 0.0)
+        assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+        registering = asyncio.create_task(client.register(pb.WorkerInfo(), 0.0, deadline_s=30.0))
+        await asyncio.sleep(1.0)
+        assert not registering.done()  # still asking
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            response = await asyncio.wait_for(registering, 30.0)
+            assert response.worker_id == "d-late" and pool.num_registered == 1
+            wrong = PoolClient(channel, "bad", timeout_s=1.0)
+            with pytest.raises(PdserveError) as unauthenticated:  # a refusal is not retried
+                await wrong.register(pb.WorkerInfo(), 0.0, deadline_s=30.0)
+            assert unauthenticated.value.code is grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            await server.stop(None)

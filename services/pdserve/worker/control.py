@@ -3,6 +3,7 @@ and its pool manager (registration and heartbeats). Workers speak gRPC only."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -17,8 +18,14 @@ from pdserve.common.grpc_client import Backoff, call_with_retry, error_from_rpc_
 from pdserve.common.types import FencingToken, TicketState, WorkerLoad, WorkerState
 from pdserve.worker.runtime import TransferTiming
 
+logger = logging.getLogger(__name__)
+
 REPORT_DEADLINE_S = 30.0
 """How long a worker repeats a DONE report or a release that fails UNAVAILABLE or times out."""
+REGISTER_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Registration errors that say the pool manager cannot answer yet (it is starting, its store is
+restarting or failing over), not that it refuses this worker."""
 
 
 class GrpcControlPlane:
@@ -83,14 +90,33 @@ class PoolClient:
         self._timeout_s = timeout_s
 
     async def register(self, info: pb.WorkerInfo, expected_cold_start_s: float,
-                       tokenizer: pb.TokenizerBundle | None = None) -> pool_pb2.RegisterResponse:
-        try:
-            return await self._stub.Register(pool_pb2.RegisterRequest(
-                join_token=self._join_token, worker=info,
-                expected_cold_start_s=expected_cold_start_s, tokenizer=tokenizer,
-            ), timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            raise error_from_rpc_error(exc) from None
+                       tokenizer: pb.TokenizerBundle | None = None, *,
+                       deadline_s: float = 0.0) -> pool_pb2.RegisterResponse:
+        """Join the pool. ``deadline_s`` > 0: a pool manager that cannot answer yet
+        (``REGISTER_RETRIED``) is asked again, with backoff, until that many seconds have passed,
+        as a worker started before its pool manager, or during a store restart, must; a refusal
+        (join token, a bad field) fails at once. 0: one attempt."""
+        request = pool_pb2.RegisterRequest(
+            join_token=self._join_token, worker=info,
+            expected_cold_start_s=expected_cold_start_s, tokenizer=tokenizer)
+
+        async def attempt(timeout_s: float) -> pool_pb2.RegisterResponse:
+            try:
+                return await self._stub.Register(request, timeout=min(timeout_s, self._timeout_s))
+            except grpc.RpcError as exc:
+                error = error_from_rpc_error(exc)
+                if deadline_s > 0 and error.code in REGISTER_RETRIED:
+                    logger.warning("registration not answered (%s: %s); trying again",
+                                   error.code.name, error.message)
+                raise error from None
+
+        if deadline_s <= 0:
+            return await attempt(self._timeout_s)
+        # A registration whose answer was lost leaves a LOADING record behind; it fails on
+        # missed heartbeats as any silent worker does.
+        return await call_with_retry(attempt, deadline_s=deadline_s, retries=10_000,
+                                     retry_on=REGISTER_RETRIED,
+                                     backoff=Backoff(base_s=0.2, max_s=2.0))
 
     async def heartbeat(self, info: pb.WorkerInfo, state: WorkerState, load: WorkerLoad,
                         held_blocks: dict[str, int], added: list[int], removed: list[int],

@@ -213,7 +213,8 @@ class WorkerProcess:
         port = await self.server.start()
         self.address = f"{self.advertise_host}:{port}"
         response = await self.pool.register(self.describe(), self.settings.cold_start_s,
-                                            self.tokenizer_pb())
+                                            self.tokenizer_pb(),
+                                            deadline_s=self.settings.register_timeout_s)
         self.credential = response.worker_credential or self.credential
         self.agent.config = dataclasses.replace(self.agent.config, worker_id=response.worker_id)
         self.control.worker_id = response.worker_id

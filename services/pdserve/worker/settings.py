@@ -147,6 +147,11 @@ class WorkerSettings(CommonSettings):
     expert_report_interval_s: float = setting(
         10.0, parser=DURATION_S,
         help="MoE engines: how often heartbeats carry per-expert token counts.")
+    register_timeout_s: float = setting(
+        60.0, parser=DURATION_S,
+        help="How long a starting worker keeps asking a pool manager that does not answer yet "
+             "(unreachable, its store restarting) to register it before giving up (0 = one "
+             "attempt). A refused join token fails at once.")
     transport: str = setting("tcp", help="KV transport: tcp, nixl or inproc.")
     kv_host: str = setting("127.0.0.1", help="Interface the KV data path listens on.")
     kv_port: int = setting(0, parser=PORT, help="KV data path port; 0 = any.")
