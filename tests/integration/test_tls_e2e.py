@@ -237,6 +237,9 @@ def _rogue_worker(stack: Stack, cert: IssuedCert, ca: Path, join_token: str) -> 
         "--join-token", join_token, "--speedup", "100", "--log-format", "text",
         "--tls-cert-path", str(cert.cert_path), "--tls-key-path", str(cert.key_path),
         "--tls-ca-path", str(ca), "--metrics-port", "-1",
+        # A handshake the pool refuses reads as UNAVAILABLE to the worker, which asks again
+        # until its registration deadline (60 s by default) before it gives up.
+        "--register-timeout-s", "5",
     ])
 
 
