@@ -102,6 +102,12 @@ class Repository:
         # In-memory SQLite is one connection shared by every thread: one transaction at a time.
         is_shared = is_sqlite_memory(engine.url)
         self._serial: AbstractContextManager[Any] = threading.Lock() if is_shared else nullcontext()
+        table = TransferStats.__table__
+        self._transfer_insert = (
+            self._insert(table)
+            .on_conflict_do_nothing(index_elements=["ticket_id", "attempt"])
+            .returning(table.c.id)
+        )
 
     @classmethod
     def from_url(cls, url: str | URL, *, clock: WallClock = utc_now) -> Repository:
@@ -382,17 +388,17 @@ class Repository:
                 "at": _utc(record.at) if record.at else now,
             })
         rows = list(rows_by_token.values())
+        if not rows:
+            return 0
         num_new = 0
         with self._transaction() as session:
             for start in range(0, len(rows), _TRANSFER_CHUNK_ROWS):
-                chunk = rows[start:start + _TRANSFER_CHUNK_ROWS]
-                statement = (
-                    self._insert(TransferStats)
-                    .values(chunk)
-                    .on_conflict_do_nothing(index_elements=["ticket_id", "attempt"])
-                    .returning(TransferStats.id)
-                )
-                num_new += len(session.execute(statement).all())
+                # One statement for every batch, its rows as parameters (SQLAlchemy sends them
+                # as one multi-row INSERT): compiled once, not per batch size, and on the table,
+                # not through the ORM's bulk path. 1.3 ms of CPU for a one-row batch before.
+                result = session.execute(self._transfer_insert,
+                                         rows[start:start + _TRANSFER_CHUNK_ROWS])
+                num_new += len(result.all())
         return num_new
 
     def list_transfer_stats(self, deployment: str, limit: int = 1000) -> list[TransferStatsRecord]:
