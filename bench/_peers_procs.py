@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.common.errors import PdserveError
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
@@ -161,8 +163,16 @@ def _dynamo_model_folder(work: Path) -> Path:
         return Path(from_env)
     candidate = PEERS_DIR / "model"
     if not (candidate / "config.json").exists():
-        raise FileNotFoundError(f"no model folder for Dynamo's mockers at {candidate} "
-                                "(config.json + tokenizer; or set PEERS_DYNAMO_MODEL_PATH)")
+        # The mockers read only the config and the tokenizer: pdserve's own tiny Llama folder
+        # (random weights, a locally trained tokenizer; needs torch and transformers) will do.
+        try:
+            from pdserve.worker.engines.vllm.model_folders import build_tiny_llama
+
+            build_tiny_llama(candidate)
+        except (ImportError, PdserveError) as exc:
+            raise FileNotFoundError(
+                f"no model folder for Dynamo's mockers at {candidate} (config.json + tokenizer; "
+                f"or set PEERS_DYNAMO_MODEL_PATH), and none could be built: {exc}") from None
     return candidate
 
 
