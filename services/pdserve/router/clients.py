@@ -14,6 +14,7 @@ from pdserve.api.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.api.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_from_pb, token_to_pb
+from pdserve.common.errors import UnavailableError
 from pdserve.common.grpc_client import error_from_rpc_error, open_channel
 from pdserve.common.settings import CommonSettings
 from pdserve.common.types import FencingToken, TicketSpec
@@ -38,7 +39,15 @@ class GrpcTicketClient:
                 num_prompt_tokens=spec.num_prompt_tokens,
             ), timeout=timeout_s)
         except grpc.RpcError as exc:
-            raise error_from_rpc_error(exc) from None
+            error = error_from_rpc_error(exc)
+            if error.code is grpc.StatusCode.CANCELLED:
+                # Not this router's doing (its own cancellation is asyncio's, not a status): the
+                # coordinator dropped the call, e.g. a replica shutting down as it arrived. As
+                # with UNAVAILABLE the outcome is unknown (a ticket opened meanwhile expires with
+                # its lease), and the request is retried before its first token, not failed.
+                raise UnavailableError(
+                    f"the coordinator cancelled OpenTicket: {error.message}") from None
+            raise error from None
         return token_from_pb(response.ticket.token)
 
     async def abort(self, token: FencingToken, reason: str, timeout_s: float) -> None:
