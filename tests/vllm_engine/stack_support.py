@@ -182,7 +182,10 @@ class Reply:
 
 
 async def _generate(stack: VllmStack, prompt: list[int], max_tokens: int = NUM_GENERATED,
-                    timeout_s: float = 120.0) -> Reply:
+                    timeout_s: float = 120.0,
+                    on_tokens: Callable[[list[int]], Awaitable[None]] | None = None) -> Reply:
+    """The request through the first router; ``on_tokens`` is awaited with the tokens so far
+    after every streamed message (the stream waits for it)."""
     tokens: list[int] = []
     final = None
     target, options = channel_target(stack.stack.router_addresses[0])
@@ -195,6 +198,8 @@ async def _generate(stack: VllmStack, prompt: list[int], max_tokens: int = NUM_G
             async for message in stub.Generate(request, timeout=timeout_s):
                 tokens.extend(message.token_ids)
                 final = message
+                if on_tokens is not None:
+                    await on_tokens(tokens)
         except grpc.aio.AioRpcError as exc:
             return Reply(tokens, final, exc.code())
     return Reply(tokens, final)

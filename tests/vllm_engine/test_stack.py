@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from e2e.conftest import ServiceProcess
-from e2e.faults import MODEL, list_workers, settled_audit, wait_router_sees
+from e2e.faults import list_workers, settled_audit, wait_router_sees
 from stack_support import (
     ALL_PROMPTS,
     BLOCK_SIZE,
@@ -37,7 +37,7 @@ from stack_support import (
 )
 
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from pdserve.common.grpc_client import channel_target
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
@@ -80,9 +80,6 @@ async def test_heartbeats_carry_vllms_load(vllm_stack: VllmStack) -> None:
     # one heartbeat interval). The worker's agent, which heartbeats, is not paused.
     engines = _engine_pids(vllm_stack.decode)
     assert engines, "the decode worker runs no engine process"
-    prompt, max_tokens = _prompt(60, 20), 420
-    target, options = channel_target(vllm_stack.stack.router_addresses[0])
-    tokens: list[int] = []
     busy: list[pb.WorkerLoad] = []
 
     async def running() -> bool:
@@ -91,23 +88,18 @@ async def test_heartbeats_carry_vllms_load(vllm_stack: VllmStack) -> None:
             busy.append(load)
         return bool(busy)
 
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        request = router_pb2.GenerateRequest(
-            model=MODEL, prompt_token_ids=prompt, prefill_mode=pb.PREFILL_MODE_REMOTE,
-            sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        is_paused = False
-        try:
-            async for message in stub.Generate(request, timeout=300):
-                tokens.extend(message.token_ids)
-                if not is_paused and len(tokens) >= 2:  # the decode engine is producing
-                    _signal_all(engines, signal.SIGSTOP)
-                    is_paused = True
-                    await _wait_for(running, 60.0, "a heartbeat showing the running sequence")
-                    _signal_all(engines, signal.SIGCONT)
-        finally:
-            _signal_all(engines, signal.SIGCONT)
-    assert len(tokens) == max_tokens
+    async def pause_once(tokens: list[int]) -> None:
+        if not busy and len(tokens) >= 2:  # the decode engine is producing
+            _signal_all(engines, signal.SIGSTOP)
+            try:
+                await _wait_for(running, 60.0, "a heartbeat showing the running sequence")
+            finally:
+                _signal_all(engines, signal.SIGCONT)
+
+    reply = await _generate(vllm_stack, _prompt(60, 20), max_tokens=420, timeout_s=300,
+                            on_tokens=pause_once)
+    assert reply.error is None and len(reply.tokens) == 420
+    assert busy, "the request ended before any heartbeat saw it"
     # vLLM's own block accounting: the running sequence holds at least its prompt's blocks.
     assert busy[0].num_total_blocks == NUM_BLOCKS - 1
     assert busy[0].num_free_blocks <= NUM_BLOCKS - 1 - math.ceil(60 / BLOCK_SIZE)
