@@ -8,16 +8,20 @@ clock is injected (a ``ManualClock`` shared by the store and the governor): no s
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
+import numpy as np
 import pytest
 from helpers.private_schema import private_schema_repository
 
 from pdserve.api.v1 import common_pb2, governor_pb2, governor_pb2_grpc
 from pdserve.capacity.controls import AutoscalerControls
+from pdserve.capacity.plan_inputs import Slo
 from pdserve.capacity.sizing import InstanceProfile
 from pdserve.common.clock import ManualClock
 from pdserve.common.errors import InvalidArgumentError
@@ -31,6 +35,7 @@ from pdserve.governor.autoscaling import (
     CapacityGovernor,
     DeploymentSpec,
     GovernorConfig,
+    LivePlanConfig,
 )
 from pdserve.governor.servicer import SERVICE_NAME, CapacityGovernorServicer
 from pdserve.state.factory import StateOptions, open_backend
@@ -114,13 +119,13 @@ async def _requests(backend: StateBackend, clock: ManualClock, num: int,
 
 
 def _governor(backend: StateBackend, repository: Repository, clock: ManualClock,
-              setter: TargetRecorder | None,
-              controls: AutoscalerControls | None = None) -> CapacityGovernor:
+              setter: TargetRecorder | None, controls: AutoscalerControls | None = None,
+              live_plan: LivePlanConfig | None = None) -> CapacityGovernor:
     spec = DeploymentSpec(name=DEPLOYMENT, model=DEPLOYMENT, gpu="h100-sxm-80gb",
                           profile=PROFILE, cold_start_s=600.0, tp_size=4)
     return CapacityGovernor([spec], backend, clock=clock, target_setter=setter,
                             repository=repository, config=GovernorConfig(interval_s=INTERVAL_S),
-                            controls=controls)
+                            controls=controls, live_plan=live_plan)
 
 
 async def test_decisions_are_recorded_with_inputs_and_actuated(
@@ -319,3 +324,112 @@ async def test_what_if_plan_runs_the_planner(
             await stub.WhatIfPlan(bad, timeout=60)
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert error_from_rpc_error(info.value).field == field_name
+
+
+async def _bursty_requests(backend: StateBackend, clock: ManualClock, duration_s: float,
+                           base_rate_per_s: float, seed: int = 0) -> int:
+    """Requests as the router opens them, Poisson at ``base_rate_per_s`` and four times that
+    for the first 20 s of every 120 s, each at its own time on the clock (the first one
+    retried); returns the number of requests."""
+    rng = np.random.default_rng(seed)
+    gaps: list[float] = []
+    at_s = 0.0
+    while at_s < duration_s:
+        rate = (4.0 if at_s % 120.0 < 20.0 else 1.0) * base_rate_per_s
+        gap = float(rng.exponential(1.0 / rate))
+        gaps.append(gap)
+        at_s += gap
+    for i, gap in enumerate(gaps):
+        clock.advance(gap)
+        request_id = uuid.uuid4().hex
+        for _ in range(2 if i == 0 else 1):
+            await backend.tickets.open(TicketSpec(
+                deployment=DEPLOYMENT, decode_worker_id="d0", prefill_worker_id="p0",
+                num_blocks=1, lease_s=600.0, request_id=request_id,
+                num_prompt_tokens=int(rng.integers(500, 3000))))
+    return len(gaps)
+
+
+async def test_the_governor_plans_its_observed_window_by_replay(
+        backend: StateBackend, repository: Repository, clock: ManualClock,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The live loop's plan by replay: the requests of the window, planned and replayed,
+    recorded in Postgres, reported by GetPlan beside the autoscaler's plan (also after a
+    restart, from the durable store) and printed by ``pdserve governor plan``."""
+    await _add_workers(backend, num_prefill=2, num_decode=2)
+    live = LivePlanConfig(Slo(2.0, 0.1, 90.0), window_s=300.0)
+    assert await _governor(backend, repository, clock, None).plan_step() == {}
+    governor = _governor(backend, repository, clock, TargetRecorder(), live_plan=live)
+    assert await governor.plan_step() == {}  # nothing observed yet
+    started_s = clock()
+    num_requests = await _bursty_requests(backend, clock, 240.0, base_rate_per_s=2.0)
+    await governor.step()
+    record = (await governor.plan_step())[DEPLOYMENT]
+    assert record.outputs["is_met"] is True
+    assert record.outputs["replayed_attainment"] >= 0.9
+    assert record.inputs["num_requests"] == num_requests  # the retry is the same request
+    assert record.inputs["window_start_unix_s"] == pytest.approx(clock() - 300.0)
+    assert record.inputs["arrival_rate_per_s"] == pytest.approx(
+        num_requests / (clock() - started_s), rel=0.05)
+    stored = repository.latest_capacity_plan(DEPLOYMENT)
+    assert stored is not None and stored.outputs == record.outputs
+
+    server = GrpcServer(host="127.0.0.1", port=0)
+    server.add_servicer(SERVICE_NAME,
+                        governor_pb2_grpc.add_CapacityGovernorServiceServicer_to_server,
+                        CapacityGovernorServicer(governor, clock))
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = governor_pb2_grpc.CapacityGovernorServiceStub(channel)
+            response = await stub.GetPlan(governor_pb2.GetPlanRequest(deployment=DEPLOYMENT),
+                                          timeout=10)
+        assert response.HasField("plan") and response.HasField("replayed_plan")
+        replayed = response.replayed_plan
+        assert (replayed.num_prefill_instances, replayed.num_decode_instances) == (
+            record.num_prefill_instances, record.num_decode_instances)
+        assert replayed.num_gpus == 4 * (replayed.num_prefill_instances
+                                         + replayed.num_decode_instances)
+        assert replayed.prefill_tp_size == replayed.decode_tp_size == 4
+        assert replayed.replayed_attainment == pytest.approx(
+            record.outputs["replayed_attainment"])
+        assert replayed.predicted_attainment == pytest.approx(
+            record.outputs["predicted_attainment"])
+        assert replayed.num_requests == num_requests
+        assert replayed.slo.ttft_ms == 2000.0 and replayed.slo.percentile == 90.0
+        assert response.plan.prefill_tp_size == 4 and response.plan.replayed_attainment == 0.0
+
+        from pdserve.cli.main import main as cli_main
+
+        code = await asyncio.to_thread(cli_main, [
+            "governor", "plan", "--address", f"127.0.0.1:{port}", "--deployment", DEPLOYMENT,
+            "--json"])
+        shown = json.loads(capsys.readouterr().out)
+        assert code == 0 and shown["replayed"]["num_requests"] == num_requests
+        assert shown["replayed"]["replayed_attainment"] == replayed.replayed_attainment
+        assert shown["autoscaler"]["prefill"]["instances"] == response.plan.num_prefill_instances
+    finally:
+        await server.stop(0)
+
+    # A restarted governor reports the stored plan until it makes its own.
+    restarted = _governor(backend, repository, clock, None, live_plan=live)
+    again = await restarted.latest_replayed_plan(DEPLOYMENT)
+    assert again is not None and again.outputs == record.outputs
+    # The live loop makes them on its own period (the autoscaling passes' is an hour here).
+    looping = CapacityGovernor([restarted.spec(DEPLOYMENT)], backend, clock=clock,
+                               config=GovernorConfig(interval_s=3600.0),
+                               live_plan=dataclasses.replace(live, interval_s=0.01))
+    stop = asyncio.Event()
+    task = asyncio.create_task(looping.run(stop))
+    try:
+        async with asyncio.timeout(120):
+            while (made := await looping.latest_replayed_plan(DEPLOYMENT)) is None:
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await task
+    assert made.inputs["num_requests"] == num_requests
+    # A window with too few requests makes no plan; the last one stands.
+    clock.advance(400.0)
+    assert await governor.plan_step() == {}
+    assert await governor.latest_replayed_plan(DEPLOYMENT) == record

@@ -188,7 +188,7 @@ def test_plan_prints_prediction_beside_replay(
 
 def test_the_governor_plans_and_replays_its_observed_window() -> None:
     from pdserve.common.types import FencingToken, Ticket, TicketState
-    from pdserve.governor.live_plan import observed_trace, plan_observed_window
+    from pdserve.governor.live_plan import observed_trace, plan_observed_window, plan_record
 
     source = _bursty_trace(10.0, duration_s=240.0)
     start_s = 1000.0
@@ -209,7 +209,36 @@ def test_the_governor_plans_and_replays_its_observed_window() -> None:
     assert np.array_equal(trace.prompt_tokens, source.prompt_tokens)
     assert set(trace.output_tokens.tolist()) == {100}
     assert observed_trace(tickets[:10], "d", start_s, end_s, 100.0) is None
-    checked = plan_observed_window(tickets, "d", start_s, end_s, mean_output_tokens=100.0,
-                                   slo=SLO, shapes=[SHAPE])
-    assert checked is not None and checked.is_met
+    window = plan_observed_window(tickets, "d", start_s, end_s, mean_output_tokens=100.0,
+                                  slo=SLO, shapes=[SHAPE])
+    assert window is not None and window.checked.is_met
+    checked = window.checked
     assert checked.steps[-1].replayed_attainment >= SLO.attainment_target
+
+    # Instances running 10x their wall clock (sim workers) see the same demand in their own
+    # time when it comes 10x faster against 10x tighter bounds: the same plan.
+    fast = [dataclasses.replace(t, created_s=start_s + (t.created_s - start_s) / 10.0)
+            for t in tickets]
+    fast_slo = Slo(SLO.ttft_s / 10.0, SLO.tpot_s / 10.0, SLO.percentile)
+    fast_window = plan_observed_window(fast, "d", start_s, start_s + (end_s - start_s) / 10.0,
+                                       mean_output_tokens=100.0, slo=fast_slo, shapes=[SHAPE],
+                                       speedup=10.0)
+    assert fast_window is not None
+    assert np.allclose(fast_window.trace.arrival_s, source.arrival_s)
+    assert (fast_window.slo.ttft_s, fast_window.slo.tpot_s) == pytest.approx(
+        (SLO.ttft_s, SLO.tpot_s))
+    fast_config, config = fast_window.checked.plan.config, checked.plan.config
+    assert (fast_config.num_prefill, fast_config.num_decode) == (config.num_prefill,
+                                                                 config.num_decode)
+
+    # What the governor keeps of it: counts, both attainments, the window and the SLO in wall
+    # time, valid JSON (the durable store refuses NaN and infinities).
+    record = plan_record("d", fast_window, start_s, end_s, at_s=end_s)
+    assert (record.num_prefill_instances, record.num_decode_instances) == (
+        checked.plan.config.num_prefill, checked.plan.config.num_decode)
+    assert record.outputs["replayed_attainment"] == fast_window.checked.replayed_attainment
+    assert record.outputs["source"] == "observed_window"
+    assert record.inputs["num_requests"] == source.num_requests
+    assert record.inputs["slo_ttft_ms"] == pytest.approx(SLO.ttft_s / 10.0 * 1000.0)
+    assert record.inputs["arrival_rate_per_s"] == pytest.approx(source.mean_rate_per_s * 10.0)
+    json.dumps(record.outputs, allow_nan=False)

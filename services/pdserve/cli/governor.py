@@ -1,7 +1,11 @@
 """``pdserve governor threshold --deployment D [--pin N | --unpin]``: the local-prefill threshold
 the routers apply (its value, where it comes from, the latest decision and its inputs); with
 ``--pin`` an operator pins it (an admin key on a locked-down stack), with ``--unpin`` the
-governor's computed value applies again."""
+governor's computed value applies again.
+
+``pdserve governor plan --deployment D [--json]``: the autoscaler's plan in force beside the
+governor's latest plan by replay of its observed window (instances and TP per pool, the arrival
+model's predicted and the replayed SLO attainment)."""
 
 from __future__ import annotations
 
@@ -37,8 +41,96 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     threshold.add_argument("--json", action="store_true", help="print the answer as JSON")
 
 
+    plan = actions.add_parser(
+        "plan", help="the autoscaler's plan and the latest plan by replay",
+        description="The autoscaler's plan in force beside the governor's latest plan by "
+                    "replay of the recent window of observed requests.")
+    add_client_arguments(plan)
+    plan.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", "127.0.0.1:50051"),
+                      help="governor (or pdserve up) address [PDSERVE_ADDRESS]")
+    plan.add_argument("--deployment", required=True, help="the deployment")
+    plan.add_argument("--json", action="store_true", help="print the answer as JSON")
+
+
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_threshold(args))
+    return asyncio.run(_plan(args) if args.action == "plan" else _threshold(args))
+
+
+async def _plan(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.api.v1 import governor_pb2, governor_pb2_grpc
+    from pdserve.common.grpc_client import error_from_rpc_error
+
+    async with client_channel(args.address, args) as channel:
+        stub = governor_pb2_grpc.CapacityGovernorServiceStub(channel)
+        try:
+            response = await stub.GetPlan(
+                governor_pb2.GetPlanRequest(deployment=args.deployment), timeout=30)
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+    plans = {name: _plan_values(getattr(response, name)) if response.HasField(name) else None
+             for name in ("plan", "replayed_plan")}
+    if args.json:
+        print(json.dumps({"deployment": args.deployment, "autoscaler": plans["plan"],
+                          "replayed": plans["replayed_plan"]}, sort_keys=True))
+        return 0
+    print(_render_plans(args.deployment, plans["plan"], plans["replayed_plan"]))
+    return 0
+
+
+def _plan_values(plan: governor_pb2.Plan) -> dict[str, object]:
+    return {
+        "prefill": {"instances": plan.num_prefill_instances, "tp": plan.prefill_tp_size},
+        "decode": {"instances": plan.num_decode_instances, "tp": plan.decode_tp_size},
+        "num_gpus": plan.num_gpus, "made_at": _time(plan.created_unix_ms),
+        "arrival_rate_per_s": plan.demand.arrival_rate_per_s,
+        "mean_prompt_tokens": plan.demand.prompt.mean_tokens,
+        "mean_output_tokens": plan.demand.output.mean_tokens,
+        "predicted_attainment": plan.predicted_attainment,
+        "replayed_attainment": plan.replayed_attainment,
+        "num_requests": plan.num_requests, "window_start": _time(plan.window_start_unix_ms),
+        "slo": {"ttft_ms": plan.slo.ttft_ms, "tpot_ms": plan.slo.tpot_ms,
+                "percentile": plan.slo.percentile},
+    }
+
+
+def _render_plans(deployment: str, autoscaler: dict[str, object] | None,
+                  replayed: dict[str, object] | None) -> str:
+    lines = [f"{deployment}:"]
+    if autoscaler is None:
+        lines.append("  autoscaler: no decision yet")
+    else:
+        lines.append(f"  autoscaler ({autoscaler['made_at']}): {_pools(autoscaler)}, for "
+                     f"{autoscaler['arrival_rate_per_s']:.2f} req/s forecast")
+    if replayed is None:
+        lines.append("  by replay: none yet (PDSERVE_LIVE_PLAN_INTERVAL_S; it needs 50 requests "
+                     "in the window)")
+        return "\n".join(lines)
+    slo = replayed["slo"]
+    assert isinstance(slo, dict)
+    lines.append(
+        f"  by replay ({replayed['made_at']}): {_pools(replayed)}, from "
+        f"{replayed['num_requests']} requests since {replayed['window_start']} "
+        f"({replayed['arrival_rate_per_s']:.2f} req/s, mean prompt "
+        f"{replayed['mean_prompt_tokens']:.0f} tokens)")
+    lines.append(
+        f"    SLO TTFT {slo['ttft_ms']:g} ms / TPOT {slo['tpot_ms']:g} ms at "
+        f"p{slo['percentile']:g}: predicted {_percent(replayed['predicted_attainment'])}, replayed "
+        f"{_percent(replayed['replayed_attainment'])}")
+    return "\n".join(lines)
+
+
+def _pools(values: dict[str, object]) -> str:
+    prefill, decode = values["prefill"], values["decode"]
+    assert isinstance(prefill, dict) and isinstance(decode, dict)
+    return (f"{prefill['instances']} prefill (TP {prefill['tp']}) + {decode['instances']} "
+            f"decode (TP {decode['tp']}), {values['num_gpus']} GPUs")
+
+
+def _percent(value: object) -> str:
+    assert isinstance(value, float)
+    return f"{value * 100:.1f}%"
 
 
 async def _threshold(args: argparse.Namespace) -> int:

@@ -40,7 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "governor": (
         "pdserve.cli.governor",
-        "operator controls of the governor: show, pin or unpin the local-prefill threshold",
+        "operator controls of the governor: the local-prefill threshold (show, pin, unpin), "
+        "the plans in force",
     ),
     "audit": (
         "pdserve.cli.audit",

@@ -185,32 +185,6 @@ def plot_replay(checked: Any, path: Path, title: str) -> bool:
     return True
 
 
-def plan_document(result: Any, demand: Any, slo: Any, checked: Any = None) -> dict[str, Any]:
-    """The ``--json`` object: instances and TP per pool, predicted and replayed attainment."""
-    config = result.config
-    return {
-        "model": config.prefill.model, "gpu": config.prefill.gpu,
-        "rate_per_s": demand.rate_per_s,
-        "arrival_model": "poisson" if demand.arrivals is None else "trace",
-        "slo": {"ttft_ms": slo.ttft_s * 1000.0, "tpot_ms": slo.tpot_s * 1000.0,
-                "percentile": slo.percentile},
-        "prefill": {"tp": config.prefill.tp_size, "instances": config.num_prefill,
-                    "gpus": config.num_prefill_gpus},
-        "decode": {"tp": config.decode.tp_size, "instances": config.num_decode,
-                   "gpus": config.num_decode_gpus},
-        "num_gpus": config.num_gpus,
-        "local_prefill_threshold_tokens": config.local_prefill_threshold_tokens,
-        "predicted_attainment": result.prediction.attainment,
-        "replayed_attainment": None if checked is None else checked.replayed_attainment,
-        "is_met": None if checked is None else checked.is_met,
-        "goodput_rate_per_s": result.goodput_rate_per_s,
-        "replays": [] if checked is None else [
-            {"num_prefill": s.num_prefill, "num_decode": s.num_decode,
-             "predicted_attainment": s.predicted_attainment,
-             "replayed_attainment": s.replayed_attainment} for s in checked.steps],
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -235,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = pl.plan(demand, slo, prefill_shapes, decode_shapes, max_gpus=args.max_gpus)
     if args.json:
+        from pdserve.sim.plan_check import plan_document
+
         print(json.dumps(plan_document(result, demand, slo, checked)))
         return 0
     _print_plan(args, result, demand, checked)

@@ -107,6 +107,10 @@ class UpSettings(CommonSettings):
         30.0, parser=float_range(0.01, 86400.0),
         help="Seconds between the governor's passes (pool sizes and the local-prefill "
              "threshold it publishes to the router).")
+    live_plan_interval_s: float = setting(
+        0.0, parser=float_range(0.0, 86400.0),
+        help="Seconds between the governor's plans by replay of the observed window (pdserve "
+             "governor plan); 0 = none (each simulates for seconds in this one process).")
     # Router SLOs, admission and load shedding (see RouterSettings).
     slo_ttft_ms: float = setting(
         2000.0, parser=float_range(0.001, 1e9),
@@ -382,6 +386,7 @@ async def _up_with(settings: UpSettings, worker_tokens_path: Path | None) -> int
                              () if settings.engine == "vllm" else (settings.model,)),
                          autoscale_gpu=settings.gpu,
                          autoscale_interval_s=settings.autoscale_interval_s,
+                         live_plan_interval_s=settings.live_plan_interval_s,
                          autoscale_slo_ttft_ms=settings.slo_ttft_ms,
                          autoscale_slo_tpot_ms=settings.slo_tpot_ms,
                          autoscale_cold_start_s=settings.cold_start_s,

@@ -24,6 +24,7 @@ from pdserve.governor.autoscaling import (
     DeploymentSpec,
     GovernorConfig,
     GrpcTargetSetter,
+    LivePlanConfig,
     TargetSetter,
 )
 from pdserve.governor.expert_service import ExpertPlacementService
@@ -91,6 +92,11 @@ class GovernorApp:
             deployment_specs(settings, repository), hot,
             clock=clock, target_setter=target_setter, repository=repository,
             thresholds=self.thresholds,
+            live_plan=(LivePlanConfig(
+                Slo(slo.ttft_s, slo.tpot_s, settings.autoscale_slo_percentile),
+                interval_s=settings.live_plan_interval_s, window_s=settings.live_plan_window_s,
+                time_budget_s=settings.live_plan_budget_s)
+                if settings.live_plan_interval_s > 0 else None),
             config=GovernorConfig(interval_s=settings.autoscale_interval_s),
             controls=AutoscalerControls(is_dry_run=settings.is_autoscaler_dry_run,
                                         max_gpus=settings.autoscale_max_gpus),

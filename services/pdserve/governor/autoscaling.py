@@ -26,6 +26,13 @@ record -> actuate.
 - **Local-prefill threshold** (``governor.thresholds``, when given): the planner's threshold
   for the interval's demand (its prompt lengths) and the ready pools, published to the routers
   unless an operator pinned one, and recorded with its inputs.
+- **Plan by replay** (``live_plan``, when given; its own period, ``LivePlanConfig.interval_s``):
+  the recent window of observed requests becomes a trace, and the planner's plan for it is
+  replayed on it through the simulator and grown until the replay meets the SLO percentile, as
+  ``pdserve plan --trace`` does (``governor.live_plan``). It runs in a thread, off the event loop,
+  between autoscaling passes; each plan is recorded in the durable store
+  (``CapacityPlanRecord``, its window and SLO as inputs) and is what ``GetPlan`` reports as the
+  replayed plan beside the autoscaler's. It advises; the autoscaler still sets the targets.
 - **Actuate** unless the controls say dry run: set each pool's target size through a
   ``TargetSetter`` (the pool managers' ``SetTargetSize`` RPC, or the in-process managers of
   ``pdserve up``). The pool managers start instances through their provisioner and choose
@@ -42,7 +49,7 @@ import asyncio
 import logging
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -53,7 +60,7 @@ from pdserve.api.v1 import pool_pb2, pool_pb2_grpc
 from pdserve.capacity.autoscaler import Autoscaler
 from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls
 from pdserve.capacity.local_prefill import ThresholdInputs
-from pdserve.capacity.plan_inputs import InstanceShape
+from pdserve.capacity.plan_inputs import InstanceShape, Slo
 from pdserve.capacity.scaling import (
     PoolObservation,
     ScalingDecision,
@@ -65,8 +72,14 @@ from pdserve.common.convert import role_to_pb
 from pdserve.common.errors import InvalidArgumentError, NotFoundError
 from pdserve.common.grpc_client import error_from_rpc_error
 from pdserve.common.types import Clock, Ticket, WorkerRecord, WorkerRole, WorkerState
-from pdserve.db.records import DeploymentRecord, ScalingAction, ScalingDecisionRecord
+from pdserve.db.records import (
+    CapacityPlanRecord,
+    DeploymentRecord,
+    ScalingAction,
+    ScalingDecisionRecord,
+)
 from pdserve.db.repository import Repository
+from pdserve.governor import live_plan
 from pdserve.governor.metrics import DECISIONS, TARGETS
 from pdserve.governor.thresholds import DeploymentRef, ThresholdGovernor
 from pdserve.state.interfaces import StateBackend
@@ -141,6 +154,29 @@ class GovernorConfig:
     default_output_tokens: float = 256.0
     output_smoothing: float = 0.3
     max_decisions_in_memory: int = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class LivePlanConfig:
+    """The governor's plans by replay: every ``interval_s``, the requests of the last
+    ``window_s`` (at most the store's ticket retention, 600 s by default: older tickets are
+    gone) planned against ``slo`` (wall-clock seconds) and replayed, at most ``max_replays``
+    replays or ``time_budget_s`` seconds of replay per deployment."""
+
+    slo: Slo
+    interval_s: float = 300.0
+    window_s: float = 600.0
+    max_replays: int = 8
+    time_budget_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "window_s", "time_budget_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"{name}: must be > 0, got {getattr(self, name)}",
+                                           field=name)
+        if self.max_replays < 1:
+            raise InvalidArgumentError(f"max_replays: must be >= 1, got {self.max_replays}",
+                                       field="max_replays")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +268,8 @@ class _Deployment:
     decisions: deque[ScalingDecisionRecord] = field(default_factory=deque)
     window: DemandSample = DemandSample(0, None)
     """The latest interval's demand (the local-prefill threshold reads its prompt lengths)."""
+    replayed_plan: CapacityPlanRecord | None = None
+    """The latest plan by replay of the observed window this process made."""
 
 
 class CapacityGovernor:
@@ -241,7 +279,9 @@ class CapacityGovernor:
     actuates (every decision is then a recommendation, recorded as a dry run). ``policies``
     replaces the ``Autoscaler`` of a deployment by another ``ScalingPolicy``. ``thresholds``
     computes and publishes the local-prefill threshold on each pass (None: it is not).
-    ``clock`` is wall-clock seconds, the coordinator's (ticket times are compared with it).
+    ``live_plan`` plans each deployment's observed window by replay on its own period (None:
+    it does not). ``clock`` is wall-clock seconds, the coordinator's (ticket times are compared
+    with it).
     """
 
     def __init__(self, deployments: Sequence[DeploymentSpec], backend: StateBackend, *,
@@ -251,9 +291,11 @@ class CapacityGovernor:
                  controls: AutoscalerControls | None = None,
                  autoscaler_config: AutoscalerConfig | None = None,
                  policies: Mapping[str, ScalingPolicy] | None = None,
-                 thresholds: ThresholdGovernor | None = None) -> None:
+                 thresholds: ThresholdGovernor | None = None,
+                 live_plan: LivePlanConfig | None = None) -> None:
         self._backend = backend
         self.thresholds = thresholds
+        self.live_plan = live_plan
         self._clock = clock
         self.target_setter = target_setter
         self._repository = repository
@@ -333,19 +375,63 @@ class CapacityGovernor:
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """``step`` every ``interval_s`` until ``stop`` is set."""
+        """``step`` every ``interval_s`` (and, with ``live_plan``, ``plan_step`` every
+        ``live_plan.interval_s`` beside it) until ``stop`` is set."""
         await self.load_controls()
+        passes = [self._every(stop, self.config.interval_s, self.step, "governor pass")]
+        if self.live_plan is not None:
+            passes.append(self._every(stop, self.live_plan.interval_s, self.plan_step,
+                                      "plan by replay"))
+        await asyncio.gather(*passes)
+
+    @staticmethod
+    async def _every(stop: asyncio.Event, interval_s: float,
+                     step: Callable[[], Awaitable[object]], what: str) -> None:
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), self.config.interval_s)
+                await asyncio.wait_for(stop.wait(), interval_s)
             except TimeoutError:
                 pass
             if stop.is_set():
                 return
             try:
-                await self.step()
+                await step()
             except Exception:  # keep governing through store hiccups
-                logger.exception("governor pass failed")
+                logger.exception("%s failed", what)
+
+    async def plan_step(self) -> dict[str, CapacityPlanRecord]:
+        """Plan each deployment's observed window by replay (``live_plan``); returns the
+        plans made (a deployment with too few requests in the window gets none)."""
+        config = self.live_plan
+        if config is None:
+            return {}
+        now_s = self._clock()
+        tickets = await self._backend.tickets.list_tickets()
+        plans = {}
+        for name, state in self._deployments.items():
+            spec = state.spec
+            try:
+                window = await asyncio.to_thread(
+                    live_plan.plan_observed_window, tickets, name, now_s - config.window_s,
+                    now_s, mean_output_tokens=state.mean_output_tokens, slo=config.slo,
+                    shapes=[InstanceShape(spec.model, spec.gpu, spec.tp_size)],
+                    speedup=spec.profile.speedup, max_replays=config.max_replays,
+                    time_budget_s=config.time_budget_s)
+                if window is None:
+                    continue
+                record = live_plan.plan_record(name, window, now_s - config.window_s, now_s,
+                                               now_s)
+            except Exception:  # one deployment's failure spares the others
+                logger.exception("planning %s by replay failed", name)
+                continue
+            state.replayed_plan = plans[name] = record
+            if self._repository is not None:
+                try:
+                    await asyncio.to_thread(self._repository.record_capacity_plan, record)
+                except Exception:  # the plan still stands in memory
+                    logger.warning("could not record the replayed plan of %s", name,
+                                   exc_info=True)
+        return plans
 
     async def step(self) -> dict[str, ScalingDecision]:
         """One pass over every deployment; returns the decisions made."""
@@ -507,6 +593,17 @@ class CapacityGovernor:
                                                 deployment, 1, role=role)
                 stored.extend(found)
         return None, 0.0, tuple(stored)
+
+    async def latest_replayed_plan(self, deployment: str) -> CapacityPlanRecord | None:
+        """The latest plan by replay of the observed window: this process's, or else the
+        durable store's latest (None: none made yet)."""
+        state = self._get(deployment)
+        if state.replayed_plan is not None or self._repository is None:
+            return state.replayed_plan
+        stored = await asyncio.to_thread(self._repository.latest_capacity_plan, deployment)
+        if stored is None or stored.outputs.get("source") != live_plan.SOURCE:
+            return None
+        return stored
 
     def spec(self, deployment: str) -> DeploymentSpec:
         return self._get(deployment).spec

@@ -23,7 +23,7 @@ from pdserve.capacity.eplb_placement import PlacementPolicy, PlacementTopology, 
 from pdserve.common.convert import role_from_pb, role_to_pb
 from pdserve.common.errors import InvalidArgumentError, UnavailableError
 from pdserve.common.types import Clock, ThresholdSource, WorkerRole
-from pdserve.db.records import ScalingAction, ScalingDecisionRecord
+from pdserve.db.records import CapacityPlanRecord, ScalingAction, ScalingDecisionRecord
 from pdserve.governor.autoscaling import CapacityGovernor, DeploymentSpec, deployment_ref
 from pdserve.governor.expert_convert import placement_to_pb
 from pdserve.governor.expert_service import ExpertPlacementService
@@ -126,11 +126,41 @@ def plan_to_pb(spec: DeploymentSpec, num_prefill: int, num_decode: int,
         num_gpus=(num_prefill * profile.num_gpus_per_prefill
                   + num_decode * profile.num_gpus_per_decode),
         predicted_tpot_ms=step_s * 1000.0,
+        prefill_tp_size=spec.tp_size, decode_tp_size=spec.tp_size,
         demand=governor_pb2.Demand(
             arrival_rate_per_s=float(inputs.get("demand_rate_per_s", 0.0)),
             prompt=governor_pb2.LengthDistribution(mean_tokens=prompt),
             output=governor_pb2.LengthDistribution(mean_tokens=output)),
         created_unix_ms=int(at_s * 1000),
+    )
+
+
+def replayed_plan_to_pb(record: CapacityPlanRecord) -> governor_pb2.Plan:
+    """A plan by replay of the observed window (``governor.live_plan.plan_record``)."""
+    inputs, outputs = record.inputs, record.outputs
+    prefill, decode = outputs.get("prefill", {}), outputs.get("decode", {})
+    created_ms = int(record.created_at.timestamp() * 1000) if record.created_at else 0
+    return governor_pb2.Plan(
+        deployment=record.deployment, num_prefill_instances=record.num_prefill_instances,
+        num_decode_instances=record.num_decode_instances,
+        num_gpus=int(outputs.get("num_gpus", 0)),
+        predicted_ttft_ms=record.predicted_ttft_ms, predicted_tpot_ms=record.predicted_tpot_ms,
+        local_prefill_threshold_tokens=record.local_prefill_threshold_tokens,
+        demand=governor_pb2.Demand(
+            arrival_rate_per_s=float(inputs.get("arrival_rate_per_s", 0.0)),
+            prompt=governor_pb2.LengthDistribution(
+                mean_tokens=float(inputs.get("prompt_tokens_mean", 0.0))),
+            output=governor_pb2.LengthDistribution(
+                mean_tokens=float(inputs.get("mean_output_tokens", 0.0)))),
+        slo=governor_pb2.Slo(ttft_ms=float(inputs.get("slo_ttft_ms", 0.0)),
+                             tpot_ms=float(inputs.get("slo_tpot_ms", 0.0)),
+                             percentile=float(inputs.get("slo_percentile", 0.0))),
+        created_unix_ms=created_ms,
+        predicted_attainment=float(outputs.get("predicted_attainment") or 0.0),
+        replayed_attainment=float(outputs.get("replayed_attainment") or 0.0),
+        prefill_tp_size=int(prefill.get("tp", 0)), decode_tp_size=int(decode.get("tp", 0)),
+        num_requests=int(inputs.get("num_requests", 0)),
+        window_start_unix_ms=int(float(inputs.get("window_start_unix_s", 0.0)) * 1000),
     )
 
 
@@ -246,17 +276,23 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
         governor = self._governor()
         decision, at_s, stored = await governor.latest(request.deployment)
         spec = governor.spec(request.deployment)
+        replayed = await governor.latest_replayed_plan(request.deployment)
+        response = governor_pb2.GetPlanResponse()
+        if replayed is not None:
+            response.replayed_plan.CopyFrom(replayed_plan_to_pb(replayed))
         if decision is not None:
-            return governor_pb2.GetPlanResponse(plan=plan_to_pb(
+            response.plan.CopyFrom(plan_to_pb(
                 spec, decision.num_prefill, decision.num_decode, decision.inputs, at_s))
+            return response
         by_role = {record.role: record for record in stored}
         if len(by_role) < 2:
-            return governor_pb2.GetPlanResponse()
+            return response
         prefill, decode = by_role[WorkerRole.PREFILL], by_role[WorkerRole.DECODE]
         at = max(r.at.timestamp() for r in stored if r.at is not None)
-        return governor_pb2.GetPlanResponse(plan=plan_to_pb(
+        response.plan.CopyFrom(plan_to_pb(
             spec, prefill.num_target_instances, decode.num_target_instances,
             {**prefill.inputs, **prefill.forecast}, at))
+        return response
 
     async def WhatIfPlan(self, request: governor_pb2.WhatIfPlanRequest,
                          context: grpc.aio.ServicerContext
@@ -270,7 +306,9 @@ class CapacityGovernorServicer(governor_pb2_grpc.CapacityGovernorServiceServicer
             predicted_tpot_ms=prediction.tpot_s * 1000.0,
             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
             goodput_per_gpu=result.goodput_per_gpu, demand=request.demand, slo=request.slo,
-            created_unix_ms=int(self._clock() * 1000)))
+            created_unix_ms=int(self._clock() * 1000),
+            predicted_attainment=prediction.attainment,
+            prefill_tp_size=config.prefill.tp_size, decode_tp_size=config.decode.tp_size))
 
     async def ListDecisions(self, request: governor_pb2.ListDecisionsRequest,
                             context: grpc.aio.ServicerContext

@@ -84,6 +84,20 @@ class GovernorSettings(CommonSettings):
         2000.0, parser=float_range(0.001, 1e9),
         help="TTFT SLO the local-prefill threshold is derived against, ms (with "
              "autoscale_slo_tpot_ms).")
+    autoscale_slo_percentile: float = setting(
+        90.0, parser=float_range(0.001, 99.999),
+        help="Percentile of requests the governor's plans by replay must meet both SLOs at.")
+    live_plan_interval_s: float = setting(
+        300.0, parser=float_range(0.0, 86400.0),
+        help="Seconds between the governor's plans by replay of its observed window (each "
+             "simulates for up to live_plan_budget_s of CPU, in a thread); 0 = none.")
+    live_plan_window_s: float = setting(
+        600.0, parser=float_range(1.0, 86400.0),
+        help="Observed window a plan by replay is made from, seconds (the hot store keeps a "
+             "finished request's ticket 600 s: a longer window sees no more).")
+    live_plan_budget_s: float = setting(
+        30.0, parser=float_range(0.1, 3600.0),
+        help="Replay time a plan by replay may take per deployment, seconds.")
     is_threshold_dry_run: bool = setting(
         False,
         help="Record the local-prefill threshold the governor computes, never publish it to the "

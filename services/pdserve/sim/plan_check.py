@@ -34,6 +34,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -274,3 +275,30 @@ def _with_threshold(config: DisaggConfig, model: ArrivalModel) -> DisaggConfig:
     """``config`` with the threshold re-derived for its sizes, as the planner would."""
     return with_threshold(dataclasses.replace(config, local_prefill_threshold_tokens=0),
                           model.workload, model.demand.rate_per_s, model.slo)
+
+
+def plan_document(result: Plan, demand: Demand, slo: Slo,
+                  checked: CheckedPlan | None = None) -> dict[str, Any]:
+    """The ``--json`` object: instances and TP per pool, predicted and replayed attainment."""
+    config = result.config
+    return {
+        "model": config.prefill.model, "gpu": config.prefill.gpu,
+        "rate_per_s": demand.rate_per_s,
+        "arrival_model": "poisson" if demand.arrivals is None else "trace",
+        "slo": {"ttft_ms": slo.ttft_s * 1000.0, "tpot_ms": slo.tpot_s * 1000.0,
+                "percentile": slo.percentile},
+        "prefill": {"tp": config.prefill.tp_size, "instances": config.num_prefill,
+                    "gpus": config.num_prefill_gpus},
+        "decode": {"tp": config.decode.tp_size, "instances": config.num_decode,
+                   "gpus": config.num_decode_gpus},
+        "num_gpus": config.num_gpus,
+        "local_prefill_threshold_tokens": config.local_prefill_threshold_tokens,
+        "predicted_attainment": result.prediction.attainment,
+        "replayed_attainment": None if checked is None else checked.replayed_attainment,
+        "is_met": None if checked is None else checked.is_met,
+        "goodput_rate_per_s": result.goodput_rate_per_s,
+        "replays": [] if checked is None else [
+            {"num_prefill": s.num_prefill, "num_decode": s.num_decode,
+             "predicted_attainment": s.predicted_attainment,
+             "replayed_attainment": s.replayed_attainment} for s in checked.steps],
+    }

@@ -68,7 +68,7 @@ class Slo(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., percentile: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("deployment", "num_prefill_instances", "num_decode_instances", "num_gpus", "predicted_ttft_ms", "predicted_tpot_ms", "local_prefill_threshold_tokens", "goodput_per_gpu", "demand", "slo", "created_unix_ms")
+    __slots__ = ("deployment", "num_prefill_instances", "num_decode_instances", "num_gpus", "predicted_ttft_ms", "predicted_tpot_ms", "local_prefill_threshold_tokens", "goodput_per_gpu", "demand", "slo", "created_unix_ms", "predicted_attainment", "replayed_attainment", "prefill_tp_size", "decode_tp_size", "num_requests", "window_start_unix_ms")
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,12 @@ class Plan(_message.Message):
     DEMAND_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_START_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     deployment: str
     num_prefill_instances: int
     num_decode_instances: int
@@ -91,7 +97,13 @@ class Plan(_message.Message):
     demand: Demand
     slo: Slo
     created_unix_ms: int
-    def __init__(self, deployment: _Optional[str] = ..., num_prefill_instances: _Optional[int] = ..., num_decode_instances: _Optional[int] = ..., num_gpus: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., local_prefill_threshold_tokens: _Optional[int] = ..., goodput_per_gpu: _Optional[float] = ..., demand: _Optional[_Union[Demand, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+    predicted_attainment: float
+    replayed_attainment: float
+    prefill_tp_size: int
+    decode_tp_size: int
+    num_requests: int
+    window_start_unix_ms: int
+    def __init__(self, deployment: _Optional[str] = ..., num_prefill_instances: _Optional[int] = ..., num_decode_instances: _Optional[int] = ..., num_gpus: _Optional[int] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., local_prefill_threshold_tokens: _Optional[int] = ..., goodput_per_gpu: _Optional[float] = ..., demand: _Optional[_Union[Demand, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., predicted_attainment: _Optional[float] = ..., replayed_attainment: _Optional[float] = ..., prefill_tp_size: _Optional[int] = ..., decode_tp_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., window_start_unix_ms: _Optional[int] = ...) -> None: ...
 
 class GetCapacityRequest(_message.Message):
     __slots__ = ("model", "gpu", "tp_size", "gpu_memory_utilization", "block_size_tokens", "request_length_tokens")
@@ -130,10 +142,12 @@ class GetPlanRequest(_message.Message):
     def __init__(self, deployment: _Optional[str] = ...) -> None: ...
 
 class GetPlanResponse(_message.Message):
-    __slots__ = ("plan",)
+    __slots__ = ("plan", "replayed_plan")
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_PLAN_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
+    replayed_plan: Plan
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., replayed_plan: _Optional[_Union[Plan, _Mapping]] = ...) -> None: ...
 
 class WhatIfPlanRequest(_message.Message):
     __slots__ = ("model", "gpu", "prefill_tp_size", "decode_tp_size", "demand", "slo")
