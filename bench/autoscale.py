@@ -39,8 +39,9 @@ Policies (all start the day with the instances the demand at midnight needs):
 Prints a table per trace, writes ``autoscale-<trace>-<shape>.png`` (demand and instances per
 policy over the day) and, as the last line, a JSON object keyed ``<trace>@<shape>``: for each of
 ``ours``, ``reactive``, ``static``, ``oracle`` its ``attainment`` and ``gpu_hours``, and
-``ours_over_oracle_gpu_hours``; plus ``aim_met`` (ours >= 99% at <= 1.25x the oracle's GPU-hours
-on every row).
+``ours_over_oracle_gpu_hours`` and ``feasible_attainment`` (the share of requests that meet both
+SLOs alone on an idle instance: no policy attains more); plus ``aim_met`` (ours >= 99% at <= 1.25x
+the oracle's GPU-hours on every row).
 """
 
 from __future__ import annotations
@@ -307,6 +308,23 @@ def plot(path: Path, demand: DayDemand, trace: Trace, runs: dict[str, dict[str, 
     plt.close(fig)
 
 
+def feasible_share(setup: Setup, trace: Trace) -> float:
+    """Share of the requests that meet both SLOs alone on an idle instance: the prompt's
+    prefill within the TTFT bound, a lone sequence's decode step at its mean context within
+    the TPOT bound. No policy attains more; KV transfer and queueing come on top."""
+    cluster = ClusterSpec(1, 1, model=setup.model, gpu=setup.gpu, tp_size=setup.tp_size)
+    profile = profile_for(setup, cluster)
+    prefill, decode = profile.prefill_perf, profile.decode_perf
+    ttft_s, tpot_s = setup.ttft_ms / 1000.0, setup.tpot_ms / 1000.0
+    ok = 0
+    for prompt, output in zip(trace.prompt_tokens.tolist(), trace.output_tokens.tolist(),
+                              strict=True):
+        if (prefill.prefill_time_s([prompt]) <= ttft_s
+                and decode.decode_step_time_s(1, prompt + output / 2.0) <= tpot_s):
+            ok += 1
+    return ok / max(1, trace.num_requests)
+
+
 def run_row(setup: Setup, names: list[str], jobs: int, out: Path) -> dict[str, Any]:
     """Every policy on one trace and day shape: prints its table, writes its plot."""
     demand, trace, source = build(setup)
@@ -322,6 +340,9 @@ def run_row(setup: Setup, names: list[str], jobs: int, out: Path) -> dict[str, A
             runs[name] = futures[name].result()
             print(f"  {name}: simulated in {runs[name]['sim_wall_s']:.0f} s", file=sys.stderr)
     oracle_gpu_h = runs["oracle"]["gpu_hours"] if "oracle" in runs else float("nan")
+    feasible = feasible_share(setup, trace)
+    print(f"feasible: {feasible:.2%} of the requests meet both SLOs alone on an idle instance "
+          f"(no policy attains more)")
     header = (f"{'policy':<10}{'attainment':>11}{'GPU-hours':>11}{'x oracle':>10}"
               f"{'TTFT p99 s':>12}{'TPOT p99 ms':>13}  misses (queueing/transfer/compute/"
               f"rejected)")
@@ -341,6 +362,7 @@ def run_row(setup: Setup, names: list[str], jobs: int, out: Path) -> dict[str, A
                            for name, run in runs.items()}
     if "ours" in runs and "oracle" in runs:
         row["ours_over_oracle_gpu_hours"] = round(runs["ours"]["gpu_hours"] / oracle_gpu_h, 3)
+    row["feasible_attainment"] = round(feasible, 5)
     return row
 
 
@@ -386,8 +408,9 @@ def main() -> int:
                  for row in rows.values() if "ours_over_oracle_gpu_hours" in row)
     for key, row in rows.items():
         if "ours_over_oracle_gpu_hours" in row:
-            print(f"aim ({key}): ours >= 99% attainment ({row['ours']['attainment']:.2%}) at "
-                  f"<= 1.25x the oracle's GPU-hours ({row['ours_over_oracle_gpu_hours']:.2f}x)")
+            print(f"aim ({key}): ours >= 99% attainment ({row['ours']['attainment']:.2%}; "
+                  f"{row['feasible_attainment']:.2%} feasible) at <= 1.25x the oracle's "
+                  f"GPU-hours ({row['ours_over_oracle_gpu_hours']:.2f}x)")
     print(json.dumps({**rows, "aim_met": is_met}))
     return 0
 
