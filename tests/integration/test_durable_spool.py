@@ -115,6 +115,28 @@ def test_every_kind_of_record_survives_the_spool_codec(deployment: str) -> None:
         decode_record(b'{"kind": "worker_event", "record": {"worker_id": ""}}')
 
 
+class CountingSpool(Spool):
+    """A spool that counts its appends (each one an fsync)."""
+
+    num_appends = 0
+
+    def append(self, lines: list[bytes]) -> None:
+        self.num_appends += 1
+        super().append(lines)
+
+
+def test_with_postgres_up_records_are_written_without_touching_the_spool(
+        postgres: PrivatePostgres, deployment: str, tmp_path: Path) -> None:
+    spool = CountingSpool(tmp_path / "spool", "test")
+    writer = DurableWriter(Repository.from_url(postgres.url), spool)
+    _submit_all(writer, deployment, 20)
+    assert writer.wait_spooled(10.0) and writer.wait_written(30.0)
+    assert spool.num_appends == 0 and spool.path.stat().st_size == 0
+    assert writer.num_spooled == writer.num_written == 80
+    writer.close()
+    assert _counts(postgres.url, deployment) == (20, 20, 20, 20)
+
+
 def test_records_wait_on_disk_while_postgres_is_down_and_are_written_when_it_returns(
         postgres: PrivatePostgres, deployment: str, tmp_path: Path) -> None:
     writer = DurableWriter(Repository.from_url(postgres.url), Spool(tmp_path / "spool", "test"))

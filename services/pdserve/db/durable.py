@@ -1,10 +1,14 @@
 """Durable records written off the serving path, through a spool on local disk.
 
-Services hand records to a ``DurableWriter``; one background thread appends each to this
-process's spool file (one JSON line a record, fsync'd in batches), then writes them to the
-repository in order and truncates the spool once everything in it is in the database. Serving
-never waits for Postgres: while it is down the records wait on disk, and they are written, in
-order, when it returns.
+Services hand records to a ``DurableWriter``; one background thread takes them in batches and
+writes them to the repository in order. A batch whose write fails (the database is down or
+behind), and everything after it until the database takes writes again, is appended to this
+process's spool file first (one JSON line a record, fsync'd per batch), and the spool is
+truncated once everything in it is in the database. Serving never waits for Postgres: while it
+is down the records wait on disk, and they are written, in order, when it returns. With the
+database up nothing touches the disk: a write-ahead spool would cost two fsyncs per batch (a
+tenth of the coordinator's CPU under load, in py-spy) to cover only the batch being written,
+which a ``kill -9`` mid-write loses, like the records still lingering in the queue.
 
 Nothing is lost when the process dies (even ``kill -9``) after a record was spooled: every
 writer holds an exclusive ``flock`` on its own file, and any writer on the same spool folder
@@ -252,7 +256,7 @@ _STOP = object()
 
 
 class DurableWriter:
-    """Spool-then-write of durable records; see the module docstring.
+    """Write, or spool then write, durable records; see the module docstring.
 
     ``spool`` None keeps the records in memory only (a bounded queue; what is not written when
     the process ends is lost): for in-memory databases and tests.
@@ -269,7 +273,13 @@ class DurableWriter:
         self._pending: collections.deque[tuple[RecordKind, Any]] = collections.deque()
         self._cond = threading.Condition()
         self.num_submitted = 0
+        self.num_taken = 0
+        """Records the thread has taken from the queue (pending, written, spooled)."""
         self.num_spooled = 0
+        """Records that are safe from this process's death: on disk or in the database (with
+        no spool: taken)."""
+        self._num_unspooled = 0
+        """The newest pending records that are in memory only (written ahead of the spool)."""
         self.num_written = 0
         self.num_dropped = 0
         self.num_adopted = 0
@@ -294,7 +304,8 @@ class DurableWriter:
             self.num_submitted += 1
 
     def wait_spooled(self, timeout_s: float = 10.0) -> bool:
-        """Until every record submitted so far is on disk (or written); True if so."""
+        """Until every record submitted so far is written or, its write failed, on disk; True
+        if so."""
         with self._cond:
             target = self.num_submitted
             return (
@@ -312,7 +323,7 @@ class DurableWriter:
         with self._cond:
             target = self.num_submitted
             return self._cond.wait_for(
-                lambda: (self.num_spooled + self.num_dropped >= target and not self._pending)
+                lambda: (self.num_taken + self.num_dropped >= target and not self._pending)
                 or not self._thread.is_alive(), timeout_s) and not self._pending
 
     @property
@@ -422,28 +433,62 @@ class DurableWriter:
         return items, stop
 
     def _spool(self, items: list[tuple[RecordKind, Any]]) -> None:
+        """Take ``items`` into the pending records: on disk first while the database is down,
+        else in memory until their write (``_spool_unspooled`` if it fails)."""
         if not items:
             return
+        if self.spool is not None and not self._is_database_down:
+            with self._cond:
+                self._pending.extend(items)
+                self._num_unspooled += len(items)
+                self.num_taken += len(items)
+                self._cond.notify_all()
+            return
         if self.spool is not None:
-            lines = []
-            kept = []
-            for kind, record in items:
-                line = encode_record(kind, record)
-                if self.spool.num_bytes + len(line) > MAX_SPOOL_BYTES:
-                    self.num_dropped += 1
-                    continue
-                lines.append(line)
-                kept.append((kind, record))
-            try:
-                self.spool.append(lines)
-            except OSError:
-                logger.exception("could not append to the spool %s; keeping %d records in memory",
-                                 self.spool.path, len(kept))
-            items = kept
+            items = self._append_to_spool(items)
         with self._cond:
             self._pending.extend(items)
+            self.num_taken += len(items)
             self.num_spooled += len(items)
             self._cond.notify_all()
+
+    def _spool_unspooled(self) -> None:
+        """A write failed: the pending records still in memory only go on disk now."""
+        if self.spool is None or not self._num_unspooled:
+            return
+        with self._cond:
+            tail = list(self._pending)[len(self._pending) - self._num_unspooled:]
+        kept = self._append_to_spool(tail)
+        with self._cond:
+            if len(kept) != len(tail):  # the spool was full: the rest is dropped (counted)
+                kept_ids = {id(item) for item in kept}
+                dropped_ids = {id(item) for item in tail if id(item) not in kept_ids}
+                self._pending = collections.deque(
+                    item for item in self._pending if id(item) not in dropped_ids)
+            self._num_unspooled = 0
+            self.num_spooled += len(kept)
+            self._cond.notify_all()
+
+    def _append_to_spool(self, items: list[tuple[RecordKind, Any]]
+                         ) -> list[tuple[RecordKind, Any]]:
+        """Append ``items`` to the spool file; returns those kept (a full spool drops the
+        rest, counted). An append that fails keeps them in memory all the same (logged)."""
+        assert self.spool is not None
+        lines = []
+        kept = []
+        for kind, record in items:
+            line = encode_record(kind, record)
+            if self.spool.num_bytes + len(line) > MAX_SPOOL_BYTES:
+                self.num_dropped += 1
+                continue
+            lines.append(line)
+            kept.append((kind, record))
+        try:
+            self.spool.append(lines)
+        except OSError:
+            logger.exception("could not append to the spool %s; keeping %d records in memory",
+                             self.spool.path, len(kept))
+        return kept
 
     def _adopt(self) -> None:
         assert self.spool is not None
@@ -487,13 +532,18 @@ class DurableWriter:
                 logger.warning("durable store unavailable (%s); %d records wait in the spool",
                                exc, len(self._pending))
             self._is_database_down = True
+            self._spool_unspooled()
             return False
         if self._is_database_down:
             logger.info("durable store is back; writing %d spooled records", len(self._pending))
             self._is_database_down = False
         with self._cond:
+            # The batch is the oldest pending; those of it in memory only are done with too.
+            done_unspooled = max(0, len(batch) - (len(self._pending) - self._num_unspooled))
             for _ in batch:
                 self._pending.popleft()
+            self._num_unspooled -= done_unspooled
+            self.num_spooled += done_unspooled
             self.num_written += len(batch)
             self._cond.notify_all()
         return True
