@@ -46,6 +46,7 @@ override. One governor replica acts at a time (active/standby is the reliability
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections import deque
@@ -376,13 +377,21 @@ class CapacityGovernor:
 
     async def run(self, stop: asyncio.Event) -> None:
         """``step`` every ``interval_s`` (and, with ``live_plan``, ``plan_step`` every
-        ``live_plan.interval_s`` beside it) until ``stop`` is set."""
+        ``live_plan.interval_s`` beside it) until ``stop`` is set. A scaling pass under way
+        finishes; a plan under way is abandoned (it only advises, and may simulate for
+        seconds more)."""
         await self.load_controls()
-        passes = [self._every(stop, self.config.interval_s, self.step, "governor pass")]
+        plans = None
         if self.live_plan is not None:
-            passes.append(self._every(stop, self.live_plan.interval_s, self.plan_step,
-                                      "plan by replay"))
-        await asyncio.gather(*passes)
+            plans = asyncio.create_task(self._every(stop, self.live_plan.interval_s,
+                                                    self.plan_step, "plan by replay"))
+        try:
+            await self._every(stop, self.config.interval_s, self.step, "governor pass")
+        finally:
+            if plans is not None:
+                plans.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await plans
 
     @staticmethod
     async def _every(stop: asyncio.Event, interval_s: float,
