@@ -241,4 +241,6 @@ def test_the_governor_plans_and_replays_its_observed_window() -> None:
     assert record.inputs["num_requests"] == source.num_requests
     assert record.inputs["slo_ttft_ms"] == pytest.approx(SLO.ttft_s / 10.0 * 1000.0)
     assert record.inputs["arrival_rate_per_s"] == pytest.approx(source.mean_rate_per_s * 10.0)
+    assert record.outputs["rate_per_s"] == pytest.approx(record.inputs["arrival_rate_per_s"])
+    assert record.outputs["slo"]["ttft_ms"] == pytest.approx(SLO.ttft_s / 10.0 * 1000.0)
     json.dumps(record.outputs, allow_nan=False)

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from pdserve.capacity.plan_inputs import InstanceShape, Slo
+from pdserve.capacity.plan_inputs import Demand, InstanceShape, Slo
 from pdserve.common.types import Ticket
 from pdserve.db.records import CapacityPlanRecord
 from pdserve.sim.plan_check import CheckedPlan, check_plan, demand_from_trace, plan_document
@@ -61,11 +61,12 @@ def observed_trace(tickets: Sequence[Ticket], deployment: str, start_s: float, e
 
 @dataclass(frozen=True, slots=True)
 class WindowPlan:
-    """A plan for an observed window: the checked plan, the window's trace (in the instances'
-    time) and the SLO it was planned against (likewise)."""
+    """A plan for an observed window: the checked plan, the window's trace, its demand and the
+    SLO it was planned against (all in the instances' time)."""
 
     checked: CheckedPlan
     trace: Trace
+    demand: Demand
     slo: Slo
     speedup: float
 
@@ -84,19 +85,19 @@ def plan_observed_window(tickets: Sequence[Ticket], deployment: str, start_s: fl
     if speedup != 1.0:
         trace = time_scale(trace, speedup)
         slo = Slo(slo.ttft_s * speedup, slo.tpot_s * speedup, slo.percentile)
-    checked = check_plan(demand_from_trace(trace), slo, shapes, shapes, trace,
-                         max_replays=max_replays, time_budget_s=time_budget_s)
-    return WindowPlan(checked, trace, slo, speedup)
+    demand = demand_from_trace(trace)
+    checked = check_plan(demand, slo, shapes, shapes, trace, max_replays=max_replays,
+                         time_budget_s=time_budget_s)
+    return WindowPlan(checked, trace, demand, slo, speedup)
 
 
 def plan_record(deployment: str, window: WindowPlan, start_s: float, end_s: float,
                 at_s: float) -> CapacityPlanRecord:
     """The durable record of a window's plan: the plan document (instances and TP per pool,
     predicted and replayed attainment, every replay) as outputs; the window, its demand and
-    the SLO (wall-clock) as inputs; predicted TTFT and TPOT in wall-clock ms."""
+    the SLO as inputs; rates, SLO bounds and predicted TTFT and TPOT in wall-clock units."""
     checked, trace, speedup = window.checked, window.trace, window.speedup
     plan = checked.plan
-    demand = demand_from_trace(trace)
     prompts = trace.prompt_tokens
     inputs = {
         "window_start_unix_s": start_s, "window_end_unix_s": end_s,
@@ -110,7 +111,11 @@ def plan_record(deployment: str, window: WindowPlan, start_s: float, end_s: floa
         "slo_tpot_ms": window.slo.tpot_s / speedup * 1000.0,
         "slo_percentile": window.slo.percentile, "speedup": speedup,
     }
-    outputs = {**plan_document(plan, demand, window.slo, checked), "source": SOURCE}
+    outputs = {**plan_document(plan, window.demand, window.slo, checked), "source": SOURCE,
+               "rate_per_s": window.demand.rate_per_s * speedup,
+               "goodput_rate_per_s": plan.goodput_rate_per_s * speedup,
+               "slo": {"ttft_ms": inputs["slo_ttft_ms"], "tpot_ms": inputs["slo_tpot_ms"],
+                       "percentile": window.slo.percentile}}
     return CapacityPlanRecord(
         deployment=deployment, num_prefill_instances=plan.config.num_prefill,
         num_decode_instances=plan.config.num_decode,
