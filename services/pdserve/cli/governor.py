@@ -28,28 +28,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "threshold", help="show, pin or unpin a deployment's local-prefill threshold",
         description="The local-prefill threshold the routers apply: prompts with at most this "
                     "many uncached tokens prefill on the decode worker.")
-    add_client_arguments(threshold)
-    threshold.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS",
-                                                               "127.0.0.1:50051"),
-                           help="governor (or pdserve up) address [PDSERVE_ADDRESS]")
-    threshold.add_argument("--deployment", required=True, help="the deployment")
+    _add_common(threshold)
     change = threshold.add_mutually_exclusive_group()
     change.add_argument("--pin", type=int, default=None, metavar="TOKENS",
                         help="pin the threshold at TOKENS uncached prompt tokens")
     change.add_argument("--unpin", action="store_true",
                         help="drop the pin: the governor's computed threshold applies again")
-    threshold.add_argument("--json", action="store_true", help="print the answer as JSON")
-
-
     plan = actions.add_parser(
         "plan", help="the autoscaler's plan and the latest plan by replay",
         description="The autoscaler's plan in force beside the governor's latest plan by "
                     "replay of the recent window of observed requests.")
-    add_client_arguments(plan)
-    plan.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", "127.0.0.1:50051"),
-                      help="governor (or pdserve up) address [PDSERVE_ADDRESS]")
-    plan.add_argument("--deployment", required=True, help="the deployment")
-    plan.add_argument("--json", action="store_true", help="print the answer as JSON")
+    _add_common(plan)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    """What every governor action takes: where the governor is, the deployment, ``--json``."""
+    add_client_arguments(parser)
+    parser.add_argument("--address", default=os.environ.get("PDSERVE_ADDRESS", "127.0.0.1:50051"),
+                        help="governor (or pdserve up) address [PDSERVE_ADDRESS]")
+    parser.add_argument("--deployment", required=True, help="the deployment")
+    parser.add_argument("--json", action="store_true", help="print the answer as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,8 +102,10 @@ def _render_plans(deployment: str, autoscaler: dict[str, object] | None,
         lines.append(f"  autoscaler ({autoscaler['made_at']}): {_pools(autoscaler)}, for "
                      f"{autoscaler['arrival_rate_per_s']:.2f} req/s forecast")
     if replayed is None:
-        lines.append("  by replay: none yet (PDSERVE_LIVE_PLAN_INTERVAL_S; it needs 50 requests "
-                     "in the window)")
+        from pdserve.governor.live_plan import MIN_REQUESTS
+
+        lines.append(f"  by replay: none yet (PDSERVE_LIVE_PLAN_INTERVAL_S; it needs "
+                     f"{MIN_REQUESTS} requests in the window)")
         return "\n".join(lines)
     slo = replayed["slo"]
     assert isinstance(slo, dict)
