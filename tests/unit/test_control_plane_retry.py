@@ -48,6 +48,7 @@ def _plane(method: _Method) -> GrpcControlPlane:
     plane = GrpcControlPlane.__new__(GrpcControlPlane)
     plane._stub = _Stub(method)  # type: ignore[assignment]
     plane.worker_id, plane._timeout_s = "d-1", 0.5
+    plane.batcher = None  # one call per report (batches: tests/integration/test_report_batches)
     return plane
 
 

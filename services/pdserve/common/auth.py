@@ -53,7 +53,8 @@ PoolService: Drain, SetTargetSize                        admin, service (the gov
 PoolService: ListWorkers, WatchPool                      admin, service
 KvTransferService: OpenTicket                            service (the router)
 KvTransferService: UpdateProgress, RenewLease,           worker, service
-  PublishDestination, AwaitDestination, ReleaseTicket
+  PublishDestination, AwaitDestination, ReleaseTicket,
+  ReportTickets
 KvTransferService: AbortTicket                           worker, service, admin
 KvTransferService: GetTicket, ListTickets,               admin, service
   WatchTickets, GetLedger
@@ -143,7 +144,7 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     **_service("PoolService", _OPERATOR, "Drain", "SetTargetSize", "ListWorkers", "WatchPool"),
     **_service("KvTransferService", frozenset({Role.SERVICE}), "OpenTicket"),
     **_service("KvTransferService", _WORKER_CALLS, "UpdateProgress", "RenewLease",
-               "PublishDestination", "AwaitDestination", "ReleaseTicket"),
+               "PublishDestination", "AwaitDestination", "ReleaseTicket", "ReportTickets"),
     **_service("KvTransferService", frozenset({Role.WORKER, Role.SERVICE, Role.ADMIN}),
                "AbortTicket"),
     **_service("KvTransferService", _OPERATOR, "GetTicket", "ListTickets", "WatchTickets",

@@ -117,6 +117,14 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
+_CODE_OF_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def code_of_number(number: int) -> grpc.StatusCode:
+    """The status code a number on the wire stands for (UNKNOWN for one gRPC does not define)."""
+    return _CODE_OF_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def error_from_status(code: grpc.StatusCode, message: str) -> PdserveError:
     """The client-side inverse of ``status_for``."""
     cls = _CODE_TO_ERROR.get(code, PdserveError)

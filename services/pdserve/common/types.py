@@ -43,6 +43,8 @@ class TicketState(enum.StrEnum):
 
 
 _TERMINAL = frozenset({TicketState.DONE, TicketState.ABORTED, TicketState.EXPIRED})
+MAX_TICKET_REPORTS = 1024
+"""Reports in one ReportTickets call, at most (the coordinator refuses more)."""
 
 TICKET_TRANSITIONS: dict[TicketState, frozenset[TicketState]] = {
     TicketState.OPEN: frozenset(

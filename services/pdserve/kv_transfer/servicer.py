@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,12 +19,28 @@ from pdserve.common.convert import (
     ticket_to_pb,
     token_from_pb,
 )
-from pdserve.common.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
-from pdserve.common.types import FencingToken, Ticket, TicketSpec, TicketState, TransferRecord
+from pdserve.common.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    status_for,
+)
+from pdserve.common.types import (
+    MAX_TICKET_REPORTS,
+    FencingToken,
+    Ticket,
+    TicketSpec,
+    TicketState,
+    TransferRecord,
+)
 from pdserve.kv_transfer.coordinator import KvTransferCoordinator
 from pdserve.kv_transfer.rendezvous import Rendezvous
 
+logger = logging.getLogger(__name__)
+
 SERVICE_NAME = "pdserve.api.v1.KvTransferService"
+_REPEATED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""A report's errors after which its sender repeats it (and the same ticket's later ones)."""
 
 
 def _transfer_record(stats: pb.TransferStats, ticket: Ticket) -> TransferRecord:
@@ -76,8 +93,12 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
     async def UpdateProgress(
         self, request: kv_pb.UpdateProgressRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.UpdateProgressResponse:
+        return await self._update_progress(request, "UpdateProgress")
+
+    async def _update_progress(self, request: kv_pb.UpdateProgressRequest,
+                               method: str) -> kv_pb.UpdateProgressResponse:
         token = token_from_pb(request.token)
-        await self._check_party(token, "UpdateProgress")
+        await self._check_party(token, method)
         state = ticket_state_from_pb(request.state)
         assert state is not None
         if state in (TicketState.ABORTED, TicketState.EXPIRED, TicketState.OPEN):
@@ -142,11 +163,62 @@ class KvTransferServicer(kv_grpc.KvTransferServiceServicer):
     async def ReleaseTicket(
         self, request: kv_pb.ReleaseTicketRequest, context: grpc.aio.ServicerContext
     ) -> kv_pb.ReleaseTicketResponse:
+        return await self._release(request, "ReleaseTicket")
+
+    async def _release(self, request: kv_pb.ReleaseTicketRequest,
+                       method: str) -> kv_pb.ReleaseTicketResponse:
         token = token_from_pb(request.token)
-        await self._check_party(token, "ReleaseTicket")
+        await self._check_party(token, method)
         ticket, _ = await asyncio.gather(self._core.release(token),
                                          self._rendezvous.forget(token))
         return kv_pb.ReleaseTicketResponse(ticket=ticket_to_pb(ticket, self._now()))
+
+    async def ReportTickets(
+        self, request: kv_pb.ReportTicketsRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb.ReportTicketsResponse:
+        """Each report as its own call (its checks, its errors); one ticket's in order, and
+        none after one of them failed UNAVAILABLE or DEADLINE_EXCEEDED (the sender repeats
+        them in order); different tickets' concurrently."""
+        reports = request.reports
+        if len(reports) > MAX_TICKET_REPORTS:
+            raise InvalidArgumentError(
+                f"reports: {len(reports)}, more than {MAX_TICKET_REPORTS} in one call",
+                field="reports")
+        results = [kv_pb.TicketReportResult() for _ in reports]
+        by_ticket: dict[str, list[int]] = {}
+        for index, report in enumerate(reports):
+            kind = report.WhichOneof("report")
+            if kind is None:
+                results[index].code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                results[index].message = f"reports[{index}]: neither progress nor release"
+                continue
+            ticket_id = getattr(report, kind).token.ticket_id
+            by_ticket.setdefault(ticket_id, []).append(index)
+
+        async def apply_in_order(indexes: list[int]) -> None:
+            is_failed = False
+            for index in indexes:
+                result = results[index]
+                if is_failed:
+                    result.code = grpc.StatusCode.UNAVAILABLE.value[0]
+                    result.message = "not applied: an earlier report of this ticket failed"
+                    continue
+                report = reports[index]
+                try:
+                    if report.HasField("progress"):
+                        await self._update_progress(report.progress, "ReportTickets")
+                    else:
+                        await self._release(report.release, "ReportTickets")
+                except Exception as exc:  # noqa: BLE001 - each report answers for itself
+                    code, message = status_for(exc)
+                    if code is grpc.StatusCode.INTERNAL:
+                        logger.error("ReportTickets: a report failed: %s", type(exc).__name__,
+                                     exc_info=exc)
+                    result.code, result.message = code.value[0], message
+                    is_failed = code in _REPEATED
+
+        await asyncio.gather(*(apply_in_order(indexes) for indexes in by_ticket.values()))
+        return kv_pb.ReportTicketsResponse(results=results)
 
     async def GetTicket(
         self, request: kv_pb.GetTicketRequest, context: grpc.aio.ServicerContext

@@ -337,6 +337,7 @@ class WorkerProcess:
             except PdserveError:
                 pass
         await self.agent.close()
+        await self.control.close()
         await self._coordinator_channel.close()
         await self._pool_channel.close()
 

@@ -220,3 +220,31 @@ class GetLedgerResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ...) -> None: ...
+
+class TicketReport(_message.Message):
+    __slots__ = ("progress", "release")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    progress: UpdateProgressRequest
+    release: ReleaseTicketRequest
+    def __init__(self, progress: _Optional[_Union[UpdateProgressRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseTicketRequest, _Mapping]] = ...) -> None: ...
+
+class ReportTicketsRequest(_message.Message):
+    __slots__ = ("reports",)
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    reports: _containers.RepeatedCompositeFieldContainer[TicketReport]
+    def __init__(self, reports: _Optional[_Iterable[_Union[TicketReport, _Mapping]]] = ...) -> None: ...
+
+class TicketReportResult(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ReportTicketsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TicketReportResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TicketReportResult, _Mapping]]] = ...) -> None: ...

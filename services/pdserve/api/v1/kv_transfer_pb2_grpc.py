@@ -90,6 +90,11 @@ class KvTransferServiceStub:
                 request_serializer=pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.GetLedgerRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.GetLedgerResponse.FromString,
                 _registered_method=True)
+        self.ReportTickets = channel.unary_unary(
+                '/pdserve.api.v1.KvTransferService/ReportTickets',
+                request_serializer=pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.ReportTicketsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.ReportTicketsResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -173,6 +178,14 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTickets(self, request, context):
+        """Several progress reports and releases in one call (a worker sends what it reported while
+        its last call was on the wire); each is applied and answered as its own call would be.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +243,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.GetLedger,
                     request_deserializer=pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.GetLedgerRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.GetLedgerResponse.SerializeToString,
+            ),
+            'ReportTickets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTickets,
+                    request_deserializer=pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.ReportTicketsRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.ReportTicketsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +548,33 @@ class KvTransferService:
             '/pdserve.api.v1.KvTransferService/GetLedger',
             pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.GetLedgerRequest.SerializeToString,
             pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.GetLedgerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTickets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.api.v1.KvTransferService/ReportTickets',
+            pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.ReportTicketsRequest.SerializeToString,
+            pdserve_dot_api_dot_v1_dot_kv__transfer__pb2.ReportTicketsResponse.FromString,
             options,
             channel_credentials,
             insecure,
