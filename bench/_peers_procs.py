@@ -52,6 +52,9 @@ class Started:
     """pdserve only: the router's gRPC address."""
     pool_address: str = ""
     """pdserve only: the decode pool manager's gRPC address."""
+    parts: dict[str, list[int]] = field(default_factory=dict)
+    """Named parts of ``pids`` (a service, Redis, PostgreSQL) for a per-process CPU breakdown;
+    empty where the system is one process or its parts are not told apart."""
 
     def stop(self) -> None:
         for stop in reversed(self.stops):
@@ -287,8 +290,11 @@ def start_pdserve_redis(work: Path, worker_args: tuple[str, ...] = WORKER_ARGS,
     wait_model(started.base_url, MODEL)
     postmaster = int((pg_dir / "data" / "postmaster.pid").read_text().split()[0])
     redis_process = redis._process  # noqa: SLF001 - its pid, for the CPU count
-    started.pids = [p.pid for p in processes] + [postmaster] + (
-        [redis_process.pid] if redis_process is not None else [])
+    started.parts = {p.name: [p.pid] for p in processes}
+    started.parts["postgres"] = [postmaster]
+    if redis_process is not None:
+        started.parts["redis"] = [redis_process.pid]
+    started.pids = [pid for pids in started.parts.values() for pid in pids]
     scale = "" if "--kv-scale" in worker_args else ", the sim engine's default KV payload scale"
     started.note = (f"pdserve sim workers: {' '.join(worker_args)}{scale}; every request "
                     "disaggregated (local prefill threshold 0)")

@@ -171,27 +171,53 @@ async def _closed_loop(base_url: str, model: str, concurrency: int, is_stream: b
     return cell
 
 
+def parse_shapes(text: str) -> list[tuple[int, bool, bool]]:
+    """``--shapes``: names as the table prints them, dashes for spaces; empty = every shape."""
+    if not text:
+        return SHAPES
+    by_name = {"-".join(_shape_name(*shape).split()): shape for shape in SHAPES}
+    shapes = []
+    for name in text.split(","):
+        if name.strip() not in by_name:
+            raise SystemExit(f"--shapes: unknown shape {name.strip()!r} "
+                             f"(known: {', '.join(by_name)})")
+        shapes.append(by_name[name.strip()])
+    return shapes
+
+
 def _shape_name(concurrency: int, is_stream: bool, is_keep_alive: bool) -> str:
     body = "stream" if is_stream else "whole"
     return f"c{concurrency} {body:<6} {'keep' if is_keep_alive else 'new'}"
 
 
-async def measure(systems: dict[str, Started], seconds: float, rounds: int
-                  ) -> tuple[dict[tuple[str, tuple[int, bool, bool]], Cell], dict[str, float]]:
-    cells: dict[tuple[str, tuple[int, bool, bool]], Cell] = {}
+Cells = dict[tuple[str, tuple[int, bool, bool]], Cell]
+
+
+async def measure(systems: dict[str, Started], seconds: float, rounds: int,
+                  shapes: list[tuple[int, bool, bool]] = SHAPES
+                  ) -> tuple[Cells, dict[str, float], dict[str, dict[str, float]]]:
+    """The cells, each system's CPU ms per request, and the same per named part of a system
+    (``Started.parts``: each part's processes and their descendants)."""
+    cells: Cells = {}
     cpu_s: dict[str, float] = dict.fromkeys(systems, 0.0)
+    part_s: dict[str, dict[str, float]] = {
+        name: dict.fromkeys(started.parts, 0.0) for name, started in systems.items()}
     num_requests: dict[str, int] = dict.fromkeys(systems, 0)
     tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
     for name, started in systems.items():  # warm-up: connections, code paths, JIT of peers
         await run_cell(started, 4, True, True, 1.0)
         log(f"warmed up {name}")
     for index in range(rounds):
-        for shape in SHAPES:
+        for shape in shapes:
             for name, started in systems.items():  # interleaved: drift hits every system alike
                 pids = descendants(started.pids)
+                part_pids = {part: descendants(roots) for part, roots in started.parts.items()}
                 before = cpu_ticks(pids)
+                part_before = {part: cpu_ticks(p) for part, p in part_pids.items()}
                 cell = await run_cell(started, *shape, seconds)
                 cpu_s[name] += (cpu_ticks(pids) - before) * tick_s
+                for part, p in part_pids.items():
+                    part_s[name][part] += (cpu_ticks(p) - part_before[part]) * tick_s
                 num_requests[name] += cell.num_done
                 total = cells.setdefault((name, shape), Cell())
                 total.latencies_s += cell.latencies_s
@@ -199,16 +225,22 @@ async def measure(systems: dict[str, Started], seconds: float, rounds: int
                 total.elapsed_s += cell.elapsed_s
                 total.num_errors += cell.num_errors
         log(f"round {index + 1}/{rounds} done")
-    cpu_ms = {name: (cpu_s[name] * 1000 / num_requests[name] if num_requests[name] else
-                     float("nan")) for name in systems}
-    return cells, cpu_ms
+    def per_request_ms(seconds: float, name: str) -> float:
+        return seconds * 1000 / num_requests[name] if num_requests[name] else float("nan")
+
+    cpu_ms = {name: per_request_ms(cpu_s[name], name) for name in systems}
+    part_ms = {name: {part: per_request_ms(s, name) for part, s in parts.items()}
+               for name, parts in part_s.items() if parts}
+    return cells, cpu_ms, part_ms
 
 
 def report(systems: list[str], cells: dict[tuple[str, tuple[int, bool, bool]], Cell],
-           cpu_ms: dict[str, float], skipped: dict[str, str], kv_note: str) -> dict[str, object]:
+           cpu_ms: dict[str, float], skipped: dict[str, str], kv_note: str,
+           part_ms: dict[str, dict[str, float]] | None = None,
+           shapes: list[tuple[int, bool, bool]] = SHAPES) -> dict[str, object]:
     print(f"{'system':<16} {'shape':<17} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'errors':>7}")
     for name in systems:
-        for shape in SHAPES:
+        for shape in shapes:
             cell = cells[(name, shape)]
             lat = np.asarray(cell.latencies_s) * 1000 if cell.latencies_s else np.asarray([np.nan])
             rate = cell.num_done / cell.elapsed_s if cell.elapsed_s else 0.0
@@ -218,6 +250,9 @@ def report(systems: list[str], cells: dict[tuple[str, tuple[int, bool, bool]], C
     for name in systems:
         note = " (the fake backend itself: not counted)" if name == "direct" else ""
         print(f"{name:<16} CPU ms per request, own processes: {cpu_ms[name]:.2f}{note}")
+    for name, parts in (part_ms or {}).items():
+        print(f"{name:<16} CPU ms per request by process: " + ", ".join(
+            f"{part} {ms:.2f}" for part, ms in sorted(parts.items(), key=lambda kv: -kv[1])))
     for name, why in skipped.items():
         print(f"{name:<16} not run: {why}")
     print(kv_note)
@@ -250,6 +285,8 @@ def report(systems: list[str], cells: dict[tuple[str, tuple[int, bool, bool]], C
         if name != "direct":
             result[f"{name}_cpu_ms_per_request"] = cpu(name)
     result["pdserve_cpu_ms_per_request"] = cpu("pdserve_redis")
+    result["pdserve_redis_cpu_ms_by_process"] = {
+        part: round(ms, 3) for part, ms in (part_ms or {}).get("pdserve_redis", {}).items()}
     return result
 
 
@@ -283,9 +320,10 @@ async def _main(args: argparse.Namespace) -> dict[str, object]:
                 continue
             stack.callback(started.stop)
             systems[name] = started
-        cells, cpu_ms = await measure(systems, args.seconds, args.rounds)
+        shapes = parse_shapes(args.shapes)
+        cells, cpu_ms, part_ms = await measure(systems, args.seconds, args.rounds, shapes)
         kv_note = next((s.note for s in systems.values() if s.note), "")
-        return report(list(systems), cells, cpu_ms, skipped, kv_note)
+        return report(list(systems), cells, cpu_ms, skipped, kv_note, part_ms, shapes)
     finally:
         stack.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -300,6 +338,10 @@ def main() -> None:
     parser.add_argument("--systems", default="",
                         help="comma-separated subset (direct,vllm_router,dynamo,pdserve_redis,"
                              "pdserve_memory); default all")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated subset of the shapes, as the table names them "
+                             "with dashes (e.g. c16-stream-keep,c1-whole-new); default all. CPU "
+                             "per request is over the shapes run")
     parser.add_argument("--cell", default="", help=argparse.SUPPRESS)  # a namespaced loop
     args = parser.parse_args()
     if args.cell:
