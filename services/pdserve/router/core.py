@@ -510,16 +510,25 @@ class Router:
         is_first = True
         is_finished = False
         try:
-            if prefill is not None:
-                prefill_task = await self._start_prefill(request_id, prompt, token, decision,
-                                                         decode, prefill)
-            else:
+            is_admitted_in_decode = prefill is not None and decode.info.admits_in_decode
+            if prefill is not None and not is_admitted_in_decode:
+                destination = await self._admit_ticket(token, len(prompt), decision, decode)
+                prefill_task = self._start_prefill(request_id, prompt, token, destination,
+                                                   prefill)
+            elif prefill is None:
                 self.admission.dispatched(request_id, snapshot_of(decode, len(prompt)),
                                           self._clock())
             decode_call = self._workers.decode(
-                decode.record.address, self._decode_request(request, request_id, decision, token),
+                decode.record.address,
+                self._decode_request(request, request_id, decision, token,
+                                     is_admit=is_admitted_in_decode),
                 self.config.request_timeout_s)
             stream = iterate_stream(decode_call)
+            if is_admitted_in_decode:
+                assert prefill is not None
+                destination = await self._admitted(stream, decode)
+                prefill_task = self._start_prefill(request_id, prompt, token, destination,
+                                                   prefill)
             exposed_s = 0.0
             while True:
                 message = await self._next_decode_message(stream, prefill_task, is_first,
@@ -577,19 +586,39 @@ class Router:
             # workers after a short wait; all of them again if every one failed so.
             raise _Retry(exc, (decision.decode_worker_id,), is_backoff=True) from None
 
-    async def _start_prefill(
-        self, request_id: str, prompt: list[int], token: FencingToken, decision: RouteDecision,
-        decode: WorkerView, prefill: WorkerView,
-    ) -> asyncio.Task[worker_pb2.PrefillResponse]:
-        """The decode worker admits the ticket (and says where the KV goes), then the prefill
-        is sent; its end, however it ends, is admission's ``prefill_done``."""
+    async def _admit_ticket(self, token: FencingToken, num_prompt_tokens: int,
+                            decision: RouteDecision, decode: WorkerView) -> pb.KvDestination:
+        """Where the KV goes, from a decode worker that admits tickets only by ``AdmitTicket``
+        (a release before ``WorkerInfo.admits_in_decode``)."""
         config = self.config
         try:
-            destination = await self._workers.admit(
-                decode.record.address, token, len(prompt), decision.num_blocks, config.lease_s,
-                config.transport, config.rpc_timeout_s)
+            return await self._workers.admit(
+                decode.record.address, token, num_prompt_tokens, decision.num_blocks,
+                config.lease_s, config.transport, config.rpc_timeout_s)
         except PdserveError as exc:
             raise _Retry(exc, (decode.worker_id,)) from None
+
+    async def _admitted(self, stream: AsyncIterator[worker_pb2.DecodeResponse],
+                        decode: WorkerView) -> pb.KvDestination:
+        """Where the KV goes: the first message of a Decode stream opened with ``admit``, which
+        the decode worker sends once it has admitted the ticket (as ``AdmitTicket`` answers)."""
+        try:
+            message = await next_or_prefill_failure(stream, None, self.config.rpc_timeout_s)
+            if message is None or not message.is_admitted:
+                raise UnavailableError(
+                    f"decode worker {decode.worker_id}: its Decode stream did not admit the "
+                    "ticket first")
+        except PdserveError as exc:
+            raise _Retry(exc, (decode.worker_id,)) from None
+        return message.destination
+
+    def _start_prefill(
+        self, request_id: str, prompt: list[int], token: FencingToken,
+        destination: pb.KvDestination, prefill: WorkerView,
+    ) -> asyncio.Task[worker_pb2.PrefillResponse]:
+        """The prefill, sent where the decode worker said the KV goes; its end, however it
+        ends, is admission's ``prefill_done``."""
+        config = self.config
         self.admission.dispatched(request_id, snapshot_of(prefill, len(prompt)), self._clock())
         task = asyncio.create_task(self._workers.prefill(
             prefill.record.address, token, prompt, destination, config.lease_s, request_id,
@@ -598,7 +627,8 @@ class Router:
         return task
 
     def _decode_request(self, request: GenerationRequest, request_id: str,
-                        decision: RouteDecision, token: FencingToken) -> worker_pb2.DecodeRequest:
+                        decision: RouteDecision, token: FencingToken,
+                        *, is_admit: bool = False) -> worker_pb2.DecodeRequest:
         return worker_pb2.DecodeRequest(
             token=token_to_pb(token), prompt_token_ids=request.prompt_token_ids,
             sampling=pb.SamplingParams(max_tokens=request.max_tokens,
@@ -607,6 +637,7 @@ class Router:
                                        stop=request.stop),
             is_local_prefill=decision.is_local_prefill, num_blocks=decision.num_blocks,
             kv_wait_timeout_ms=int(self.config.kv_wait_timeout_s * 1000), request_id=request_id,
+            admit=is_admit, transport=self.config.transport if is_admit else "",
         )
 
     async def _next_decode_message(

@@ -170,6 +170,7 @@ class WorkerProcess:
             max_model_len=self.max_model_len(),
             software_version=software_version(),
             kv_frame_versions=self.agent.transport.frame_versions,
+            admits_in_decode=True,
         )
 
     def max_model_len(self) -> int:

@@ -35,15 +35,20 @@ class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
 
     async def AdmitTicket(self, request: worker_pb2.AdmitTicketRequest,
                           context: Context) -> worker_pb2.AdmitTicketResponse:
-        token = token_from_pb(request.token)
-        if request.transport and request.transport != self._agent.transport.name:
+        destination = self._admit(request.token, request.transport, request.num_prompt_tokens,
+                                  request.num_blocks)
+        if destination is None:  # the engine publishes it through the coordinator's rendezvous
+            return worker_pb2.AdmitTicketResponse()
+        return worker_pb2.AdmitTicketResponse(destination=destination)
+
+    def _admit(self, token: pb.FencingToken, transport: str, num_prompt_tokens: int,
+               num_blocks: int) -> pb.KvDestination | None:
+        if transport and transport != self._agent.transport.name:
             raise InvalidArgumentError(
                 f"transport: this worker receives over {self._agent.transport.name!r}",
                 field="transport")
-        destination = self._agent.admit(token, request.num_prompt_tokens, int(request.num_blocks))
-        if destination is None:  # the engine publishes it through the coordinator's rendezvous
-            return worker_pb2.AdmitTicketResponse()
-        return worker_pb2.AdmitTicketResponse(destination=destination.to_proto())
+        destination = self._agent.admit(token_from_pb(token), num_prompt_tokens, int(num_blocks))
+        return destination.to_proto() if destination is not None else None
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: Context) -> worker_pb2.PrefillResponse:
@@ -62,6 +67,14 @@ class WorkerAgentServicer(worker_pb2_grpc.WorkerAgentServiceServicer):
 
     async def Decode(self, request: worker_pb2.DecodeRequest,
                      context: Context) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        if request.admit:
+            if request.is_local_prefill:
+                raise InvalidArgumentError(
+                    "admit: a local prefill allocates its own blocks (no admission)",
+                    field="admit")
+            destination = self._admit(request.token, request.transport,
+                                      len(request.prompt_token_ids), request.num_blocks)
+            yield worker_pb2.DecodeResponse(is_admitted=True, destination=destination)
         token = token_from_pb(request.token)
         max_tokens = request.sampling.max_tokens
         num_sent = 0

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/api/v1/common.proto\x12\x0epdserve.api.v1\"2\n\x0c\x46\x65ncingToken\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"\x96\x01\n\nWorkerLoad\x12!\n\x19num_queued_prefill_tokens\x18\x01 \x01(\x04\x12\x18\n\x10num_running_seqs\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x18\n\x10num_waiting_seqs\x18\x05 \x01(\r\"c\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_nbytes\x18\x04 \x01(\x04\"\x8f\x04\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12(\n\x04role\x18\x03 \x01(\x0e\x32\x1a.pdserve.api.v1.WorkerRole\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.pdserve.api.v1.WorkerState\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x12\n\nkv_address\x18\x06 \x01(\t\x12(\n\x04load\x18\x07 \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerLoad\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x08 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\x0b\n\x03gpu\x18\n \x01(\t\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\x12+\n\tkv_layout\x18\x0c \x01(\x0b\x32\x18.pdserve.api.v1.KvLayout\x12\x15\n\rkv_transports\x18\r \x03(\t\x12\r\n\x05model\x18\x0e \x01(\t\x12\x10\n\x08num_gpus\x18\x0f \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x10 \x01(\x01\x12\x18\n\x10tokenizer_sha256\x18\x11 \x01(\t\x12\x15\n\rmax_model_len\x18\x12 \x01(\r\x12\x18\n\x10software_version\x18\x13 \x01(\t\x12\x19\n\x11kv_frame_versions\x18\x14 \x03(\r\"\xa0\x01\n\x0fTokenizerBundle\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x15\n\rchat_template\x18\x02 \x01(\t\x12\x11\n\tbos_token\x18\x03 \x01(\t\x12\x11\n\teos_token\x18\x04 \x01(\t\x12\x11\n\tpad_token\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x0e\n\x06sha256\x18\x07 \x01(\t\"x\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x0c\n\x04stop\x18\x06 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc7\x01\n\rKvDestination\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x04\x12\x11\n\ttransport\x18\x03 \x01(\t\x12+\n\tkv_layout\x18\x04 \x01(\x0b\x32\x18.pdserve.api.v1.KvLayout\x12\x1a\n\x12transport_metadata\x18\x05 \x01(\x0c\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x19\n\x11kv_frame_versions\x18\x07 \x03(\r\"\x8f\x01\n\rTransferStats\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x1a\n\x12prefill_compute_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x12\n\nexposed_ms\x18\x05 \x01(\x01\x12\x12\n\nnum_layers\x18\x06 \x01(\r*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02*\xc9\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18WORKER_STATE_REGISTERING\x10\x01\x12\x18\n\x14WORKER_STATE_LOADING\x10\x02\x12\x16\n\x12WORKER_STATE_READY\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04\x12\x18\n\x14WORKER_STATE_DRAINED\x10\x05\x12\x17\n\x13WORKER_STATE_FAILED\x10\x06*\xc9\x01\n\x0bTicketState\x12\x1c\n\x18TICKET_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TICKET_STATE_OPEN\x10\x01\x12\x1b\n\x17TICKET_STATE_PREFILLING\x10\x02\x12\x1d\n\x19TICKET_STATE_TRANSFERRING\x10\x03\x12\x15\n\x11TICKET_STATE_DONE\x10\x04\x12\x18\n\x14TICKET_STATE_ABORTED\x10\x05\x12\x18\n\x14TICKET_STATE_EXPIRED\x10\x06*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\\\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x01\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/api/v1/common.proto\x12\x0epdserve.api.v1\"2\n\x0c\x46\x65ncingToken\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"\x96\x01\n\nWorkerLoad\x12!\n\x19num_queued_prefill_tokens\x18\x01 \x01(\x04\x12\x18\n\x10num_running_seqs\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x04\x12\x18\n\x10num_waiting_seqs\x18\x05 \x01(\r\"c\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_nbytes\x18\x04 \x01(\x04\"\xa9\x04\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\ndeployment\x18\x02 \x01(\t\x12(\n\x04role\x18\x03 \x01(\x0e\x32\x1a.pdserve.api.v1.WorkerRole\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.pdserve.api.v1.WorkerState\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x12\n\nkv_address\x18\x06 \x01(\t\x12(\n\x04load\x18\x07 \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerLoad\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x08 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\x0b\n\x03gpu\x18\n \x01(\t\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\x12+\n\tkv_layout\x18\x0c \x01(\x0b\x32\x18.pdserve.api.v1.KvLayout\x12\x15\n\rkv_transports\x18\r \x03(\t\x12\r\n\x05model\x18\x0e \x01(\t\x12\x10\n\x08num_gpus\x18\x0f \x01(\r\x12\x1c\n\x14prefill_tokens_per_s\x18\x10 \x01(\x01\x12\x18\n\x10tokenizer_sha256\x18\x11 \x01(\t\x12\x15\n\rmax_model_len\x18\x12 \x01(\r\x12\x18\n\x10software_version\x18\x13 \x01(\t\x12\x19\n\x11kv_frame_versions\x18\x14 \x03(\r\x12\x18\n\x10\x61\x64mits_in_decode\x18\x15 \x01(\x08\"\xa0\x01\n\x0fTokenizerBundle\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x15\n\rchat_template\x18\x02 \x01(\t\x12\x11\n\tbos_token\x18\x03 \x01(\t\x12\x11\n\teos_token\x18\x04 \x01(\t\x12\x11\n\tpad_token\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x0e\n\x06sha256\x18\x07 \x01(\t\"x\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x0c\n\x04stop\x18\x06 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc7\x01\n\rKvDestination\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x04\x12\x11\n\ttransport\x18\x03 \x01(\t\x12+\n\tkv_layout\x18\x04 \x01(\x0b\x32\x18.pdserve.api.v1.KvLayout\x12\x1a\n\x12transport_metadata\x18\x05 \x01(\x0c\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x19\n\x11kv_frame_versions\x18\x07 \x03(\r\"\x8f\x01\n\rTransferStats\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x1a\n\x12prefill_compute_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x12\n\nexposed_ms\x18\x05 \x01(\x01\x12\x12\n\nnum_layers\x18\x06 \x01(\r*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02*\xc9\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18WORKER_STATE_REGISTERING\x10\x01\x12\x18\n\x14WORKER_STATE_LOADING\x10\x02\x12\x16\n\x12WORKER_STATE_READY\x10\x03\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x04\x12\x18\n\x14WORKER_STATE_DRAINED\x10\x05\x12\x17\n\x13WORKER_STATE_FAILED\x10\x06*\xc9\x01\n\x0bTicketState\x12\x1c\n\x18TICKET_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TICKET_STATE_OPEN\x10\x01\x12\x1b\n\x17TICKET_STATE_PREFILLING\x10\x02\x12\x1d\n\x19TICKET_STATE_TRANSFERRING\x10\x03\x12\x15\n\x11TICKET_STATE_DONE\x10\x04\x12\x18\n\x14TICKET_STATE_ABORTED\x10\x05\x12\x18\n\x14TICKET_STATE_EXPIRED\x10\x06*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\\\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x01\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.api.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1605
-  _globals['_WORKERROLE']._serialized_end=1695
-  _globals['_WORKERSTATE']._serialized_start=1698
-  _globals['_WORKERSTATE']._serialized_end=1899
-  _globals['_TICKETSTATE']._serialized_start=1902
-  _globals['_TICKETSTATE']._serialized_end=2103
-  _globals['_FINISHREASON']._serialized_start=2106
-  _globals['_FINISHREASON']._serialized_end=2255
-  _globals['_PREFILLMODE']._serialized_start=2257
-  _globals['_PREFILLMODE']._serialized_end=2349
+  _globals['_WORKERROLE']._serialized_start=1631
+  _globals['_WORKERROLE']._serialized_end=1721
+  _globals['_WORKERSTATE']._serialized_start=1724
+  _globals['_WORKERSTATE']._serialized_end=1925
+  _globals['_TICKETSTATE']._serialized_start=1928
+  _globals['_TICKETSTATE']._serialized_end=2129
+  _globals['_FINISHREASON']._serialized_start=2132
+  _globals['_FINISHREASON']._serialized_end=2281
+  _globals['_PREFILLMODE']._serialized_start=2283
+  _globals['_PREFILLMODE']._serialized_end=2375
   _globals['_FENCINGTOKEN']._serialized_start=47
   _globals['_FENCINGTOKEN']._serialized_end=97
   _globals['_WORKERLOAD']._serialized_start=100
@@ -48,15 +48,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=252
   _globals['_KVLAYOUT']._serialized_end=351
   _globals['_WORKERINFO']._serialized_start=354
-  _globals['_WORKERINFO']._serialized_end=881
-  _globals['_TOKENIZERBUNDLE']._serialized_start=884
-  _globals['_TOKENIZERBUNDLE']._serialized_end=1044
-  _globals['_SAMPLINGPARAMS']._serialized_start=1046
-  _globals['_SAMPLINGPARAMS']._serialized_end=1166
-  _globals['_USAGE']._serialized_start=1168
-  _globals['_USAGE']._serialized_end=1255
-  _globals['_KVDESTINATION']._serialized_start=1258
-  _globals['_KVDESTINATION']._serialized_end=1457
-  _globals['_TRANSFERSTATS']._serialized_start=1460
-  _globals['_TRANSFERSTATS']._serialized_end=1603
+  _globals['_WORKERINFO']._serialized_end=907
+  _globals['_TOKENIZERBUNDLE']._serialized_start=910
+  _globals['_TOKENIZERBUNDLE']._serialized_end=1070
+  _globals['_SAMPLINGPARAMS']._serialized_start=1072
+  _globals['_SAMPLINGPARAMS']._serialized_end=1192
+  _globals['_USAGE']._serialized_start=1194
+  _globals['_USAGE']._serialized_end=1281
+  _globals['_KVDESTINATION']._serialized_start=1284
+  _globals['_KVDESTINATION']._serialized_end=1483
+  _globals['_TRANSFERSTATS']._serialized_start=1486
+  _globals['_TRANSFERSTATS']._serialized_end=1629
 # @@protoc_insertion_point(module_scope)

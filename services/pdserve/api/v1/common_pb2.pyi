@@ -107,7 +107,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size_tokens: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "deployment", "role", "state", "address", "kv_address", "load", "last_heartbeat_unix_ms", "engine", "gpu", "tp_size", "kv_layout", "kv_transports", "model", "num_gpus", "prefill_tokens_per_s", "tokenizer_sha256", "max_model_len", "software_version", "kv_frame_versions")
+    __slots__ = ("worker_id", "deployment", "role", "state", "address", "kv_address", "load", "last_heartbeat_unix_ms", "engine", "gpu", "tp_size", "kv_layout", "kv_transports", "model", "num_gpus", "prefill_tokens_per_s", "tokenizer_sha256", "max_model_len", "software_version", "kv_frame_versions", "admits_in_decode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class WorkerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     KV_FRAME_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ADMITS_IN_DECODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     deployment: str
     role: WorkerRole
@@ -148,7 +149,8 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     software_version: str
     kv_frame_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., deployment: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., engine: _Optional[str] = ..., gpu: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., num_gpus: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tokenizer_sha256: _Optional[str] = ..., max_model_len: _Optional[int] = ..., software_version: _Optional[str] = ..., kv_frame_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    admits_in_decode: bool
+    def __init__(self, worker_id: _Optional[str] = ..., deployment: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., engine: _Optional[str] = ..., gpu: _Optional[str] = ..., tp_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_transports: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., num_gpus: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tokenizer_sha256: _Optional[str] = ..., max_model_len: _Optional[int] = ..., software_version: _Optional[str] = ..., kv_frame_versions: _Optional[_Iterable[int]] = ..., admits_in_decode: _Optional[bool] = ...) -> None: ...
 
 class TokenizerBundle(_message.Message):
     __slots__ = ("tokenizer_json", "chat_template", "bos_token", "eos_token", "pad_token", "max_model_len", "sha256")

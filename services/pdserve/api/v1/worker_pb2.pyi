@@ -52,7 +52,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., num_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("token", "prompt_token_ids", "sampling", "is_local_prefill", "kv_wait_timeout_ms", "request_id", "num_blocks")
+    __slots__ = ("token", "prompt_token_ids", "sampling", "is_local_prefill", "kv_wait_timeout_ms", "request_id", "num_blocks", "admit", "transport")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class DecodeRequest(_message.Message):
     KV_WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     token: _common_pb2.FencingToken
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -67,17 +69,23 @@ class DecodeRequest(_message.Message):
     kv_wait_timeout_ms: int
     request_id: str
     num_blocks: int
-    def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., is_local_prefill: _Optional[bool] = ..., kv_wait_timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    admit: bool
+    transport: str
+    def __init__(self, token: _Optional[_Union[_common_pb2.FencingToken, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., is_local_prefill: _Optional[bool] = ..., kv_wait_timeout_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., admit: _Optional[bool] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stats")
+    __slots__ = ("token_ids", "finish_reason", "stats", "is_admitted", "destination")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    IS_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     stats: _common_pb2.TransferStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ...) -> None: ...
+    is_admitted: bool
+    destination: _common_pb2.KvDestination
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., is_admitted: _Optional[bool] = ..., destination: _Optional[_Union[_common_pb2.KvDestination, _Mapping]] = ...) -> None: ...
 
 class DropTicketRequest(_message.Message):
     __slots__ = ("token", "reason")

@@ -97,7 +97,9 @@ class WorkerAgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Decode side: wait for the KV (or prefill locally), then stream tokens.
+        """Decode side: wait for the KV (or prefill locally), then stream tokens. With
+        DecodeRequest.admit, first admit the ticket as AdmitTicket does and answer with its
+        destination (one call where there were two).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
