@@ -11,9 +11,7 @@ stream with the status ``AdmitTicket`` would have, naming the field.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,26 +19,13 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+from helpers.local_stack import LocalStack, local_stack
 
 from pdserve.api.v1 import common_pb2 as pb
-from pdserve.api.v1 import pool_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.convert import token_to_pb
-from pdserve.common.grpc_server import GrpcServer
-from pdserve.common.settings import CommonSettings
 from pdserve.common.types import TicketSpec, WorkerRole
-from pdserve.kv_transfer.app import CoordinatorApp
-from pdserve.kv_transfer.coordinator import CoordinatorPolicy
-from pdserve.kv_transfer.local_client import LocalTicketClient
-from pdserve.kv_transfer.rendezvous import MemoryRendezvous
-from pdserve.pool.app import PoolApp
-from pdserve.pool.servicer import SERVICE_NAME as POOL_SERVICE
-from pdserve.pool.servicer import PoolServicer
-from pdserve.pool.settings import PoolSettings
-from pdserve.router.app import RouterApp
-from pdserve.router.settings import RouterSettings
-from pdserve.state.stores import Stores, open_stores
 from pdserve.worker.process import WorkerProcess
-from pdserve.worker.settings import WorkerSettings
 
 MODEL = "llama-3.1-8b"
 JOIN_TOKEN = "join-" + "j" * 27
@@ -51,18 +36,20 @@ MAX_TOKENS = 6
 
 @dataclass
 class Stack:
-    router: RouterApp
-    stores: Stores
-    workers: dict[WorkerRole, WorkerProcess]
+    local: LocalStack
     admit_calls: list[str] = field(default_factory=list)
     """Decode workers the router sent ``AdmitTicket`` (by address)."""
     decode_admits: list[bool] = field(default_factory=list)
     """``DecodeRequest.admit`` of each Decode call the router made."""
 
+    @property
+    def workers(self) -> dict[WorkerRole, WorkerProcess]:
+        return self.local.workers
+
     async def complete(self, prompt: str) -> str:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         async with aiohttp.ClientSession() as session:
-            async with session.post(f"http://127.0.0.1:{self.router.http_port}/v1/completions",
+            async with session.post(f"{self.local.http_url}/v1/completions",
                                     json=body) as response:
                 assert response.status == 200, await response.text()
                 payload = await response.json()
@@ -72,63 +59,17 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def _stack(*, decode_admits_in_decode: bool) -> AsyncIterator[Stack]:
-    """Pools, coordinator and router on one server; a prefill and a decode worker, the decode
-    one describing itself with or without ``admits_in_decode``."""
-    common = CommonSettings(metrics_port=-1, grace_period_s=0.0)
-    stores = open_stores("memory://")
-    server = GrpcServer.from_settings(common)
-    coordinator = CoordinatorApp(stores.backend, time.time, CoordinatorPolicy(),
-                                 MemoryRendezvous(), common)
-    coordinator.register(server)
-    pools = {role: PoolApp(PoolSettings(role=role, join_token=JOIN_TOKEN, deployments=(MODEL,)),
-                           stores.backend, stores.prefix_index, time.time)
-             for role in WorkerRole}
-    server.add_servicer(POOL_SERVICE, pool_pb2_grpc.add_PoolServiceServicer_to_server,
-                        PoolServicer({r: p.manager for r, p in pools.items()},
-                                     stores.backend.workers, stores.backend.events))
-    router = RouterApp(RouterSettings(http_port=0, coordinator_address="127.0.0.1:1",
-                                      metrics_port=-1, local_prefill_threshold_tokens=4),
-                       stores.backend, stores.prefix_index,
-                       LocalTicketClient(coordinator.coordinator))
-    router.register(server)
-    address = f"127.0.0.1:{await server.start()}"
-    coordinator.start()
-    for pool in pools.values():
-        await pool.start()
-    await router.start()
-    stop = asyncio.Event()
-    workers: dict[WorkerRole, WorkerProcess] = {}
-    tasks = []
-    try:
-        for role, worker_id in ((WorkerRole.PREFILL, "p-1"), (WorkerRole.DECODE, "d-1")):
-            worker = WorkerProcess(WorkerSettings(
-                role=role, deployment=MODEL, model=MODEL, worker_id=worker_id,
-                pool_address=address, coordinator_address=address, join_token=JOIN_TOKEN,
-                speedup=1e4, max_num_blocks=512, num_kv_layers=4, metrics_port=-1,
-                grace_period_s=0.0))
-            if role is WorkerRole.DECODE and not decode_admits_in_decode:
-                worker.describe = _without_admits_in_decode(worker.describe)  # type: ignore[method-assign]
-            await worker.start()
-            workers[role] = worker
-            tasks.append(asyncio.create_task(worker.run(stop)))
-        deadline = time.monotonic() + 30
-        while not all(router.view.ready(MODEL, role) for role in WorkerRole):
-            assert time.monotonic() < deadline, "the workers never became ready"
-            await asyncio.sleep(0.05)
-        stack = Stack(router, stores, workers)
+    """The decode worker describing itself with or without ``admits_in_decode``; every prompt
+    prefilled remotely."""
+    def prepare(worker: WorkerProcess) -> None:
+        if worker.settings.role is WorkerRole.DECODE and not decode_admits_in_decode:
+            worker.describe = _without_admits_in_decode(worker.describe)  # type: ignore[method-assign]
+
+    async with local_stack(MODEL, JOIN_TOKEN, local_prefill_threshold_tokens=4,
+                           prepare_worker=prepare) as local:
+        stack = Stack(local)
         _spy_on_calls(stack)
         yield stack
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for worker in workers.values():
-            await worker.close()
-        await server.stop(0)
-        await router.close()
-        for pool in pools.values():
-            await pool.close()
-        await coordinator.close()
-        await stores.close()
 
 
 def _without_admits_in_decode(describe: Callable[[], pb.WorkerInfo]) -> Callable[[], pb.WorkerInfo]:
@@ -140,7 +81,7 @@ def _without_admits_in_decode(describe: Callable[[], pb.WorkerInfo]) -> Callable
 
 
 def _spy_on_calls(stack: Stack) -> None:
-    clients = stack.router.workers
+    clients = stack.local.router.workers
     admit, decode = clients.admit, clients.decode
 
     async def spied_admit(address: str, *args: Any, **kwargs: Any) -> pb.KvDestination:
@@ -183,7 +124,7 @@ async def test_an_older_decode_worker_is_admitted_by_admit_ticket_and_serves_the
 
 
 async def _open(stack: Stack, num_blocks: int = 4) -> pb.FencingToken:
-    ticket = await stack.stores.backend.tickets.open(TicketSpec(
+    ticket = await stack.local.stores.backend.tickets.open(TicketSpec(
         MODEL, "d-1", "p-1", num_blocks, 30.0, num_prompt_tokens=40))
     return token_to_pb(ticket.token)
 
