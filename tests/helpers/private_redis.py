@@ -9,6 +9,7 @@ restart at will (unlike the shared Redis that ``redis_url`` names, which tests n
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -21,10 +22,47 @@ from pathlib import Path
 START_TIMEOUT_S = 10.0
 
 
+_HANDED_OUT: set[int] = set()
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
+    """A loopback port that nothing holds now and that a server started later can still bind.
+
+    A port the kernel hands out for ``bind(0)`` lies in its ephemeral range, from which every
+    outgoing connection also takes its local port: a test that picks ports first and starts its
+    servers one by one (or restarts a killed server on its old port) would now and then find one
+    taken by some client's connection (seen in CI as "Address already in use"). So this picks
+    below that range, at random, never the same port twice in one test run, and falls back to
+    ``bind(0)`` only where the range leaves no room below it."""
+    ephemeral_start = _ephemeral_range_start()
+    if ephemeral_start - _LOWEST_PORT >= 1_000:
+        for _ in range(1_000):
+            port = random.randrange(_LOWEST_PORT, ephemeral_start)
+            if port not in _HANDED_OUT and _bindable(port):
+                _HANDED_OUT.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        port = int(sock.getsockname()[1])
+    _HANDED_OUT.add(port)
+    return port
 
 
 def _answers_ping(port: int) -> bool:
