@@ -16,7 +16,8 @@ conversation and synthetic), at two load levels and two SLO pairs (one tight, on
 
 Per row: instances and GPUs, the arrival model's prediction (made from the first half), the
 replay on the first half and on the held-out second half, and (to tell the model's error from
-the shift between the halves) the same model fitted on the held-out half for the same plan.
+the shift between the halves) the same model fitted on the held-out half for the same plan,
+and how the held-out half's mean prompt and output lengths compare with the first half's.
 Aims: held-out replay >= target on every row; |prediction - held-out replay| <= 5 points on
 every row (both at the planned rate).
 
@@ -137,6 +138,12 @@ def run_row(trace: Any, family: str, factor: float, slo_pair: tuple[float, float
         "abs_model_error_points": abs(fitted - held_out) * 100.0,
         "second_half_own_rate_per_s": round(second_own.mean_rate_per_s, 3),
         "replayed_attainment_own_rate": held_out_own,
+        # What changed between the halves per request (1.0: nothing): a held-out half whose
+        # prompts are longer needs more prefill than any model of the first half can know of.
+        "held_out_over_first_prompt_tokens": round(
+            float(second.prompt_tokens.mean() / first.prompt_tokens.mean()), 3),
+        "held_out_over_first_output_tokens": round(
+            float(second.output_tokens.mean() / first.output_tokens.mean()), 3),
         "num_replays": len(checked.steps), "plan_s": round(plan_s, 2),
     }
 
@@ -209,13 +216,15 @@ def main() -> int:
                       f"{row['plan_s']:.1f} s", file=sys.stderr, flush=True)
     print(table(["trace", "req/s", "TTFT/TPOT ms", "P+D x TP", "GPUs", "predicted",
                  "replay 1st", "held-out", "error pts", "model on held-out", "own req/s",
-                 "held-out own", "replays"], [
+                 "held-out own", "prompt/out held-out:1st", "replays"], [
         [r["trace"], f"{r['rate_per_s']:.1f}", f"{r['ttft_ms']:g}/{r['tpot_ms']:g}",
          f"{r['num_prefill']}+{r['num_decode']} x{r['tp']}", str(r["num_gpus"]),
          f"{r['predicted_attainment']:.1%}", f"{r['replayed_attainment_first_half']:.1%}",
          f"{r['replayed_attainment']:.1%}", f"{r['abs_error_points']:.1f}",
          f"{r['predicted_on_held_out_half']:.1%}", f"{r['second_half_own_rate_per_s']:.1f}",
          f"{r['replayed_attainment_own_rate']:.1%}",
+         f"{r['held_out_over_first_prompt_tokens']:.2f}/"
+         f"{r['held_out_over_first_output_tokens']:.2f}",
          str(r["num_replays"])] for r in rows]))
     target = PERCENTILE / 100.0
     min_replayed = min(r["replayed_attainment"] for r in rows)
