@@ -8,7 +8,7 @@ this release serves senders of either version (a fleet mid-upgrade).
 - Over real sockets: a sender writes every frame of a ticket at the negotiated version and the
   receiver answers at that version (raw bytes of a version 1 sender are served exactly as an
   older release's receiver would); at version 2 both sides agree on the KV's CRC-32, and KV that
-  differs from the sender's (a source block changed before DONE) is refused as
+  differs from what the sender checksummed (a byte changed on the way) is refused as
   ``checksum_mismatch``.
 """
 
@@ -225,17 +225,52 @@ async def test_chunked_offers_checksum_the_destination_in_sequence_order() -> No
         assert sent.kv_crc32 == landed.kv_crc32 == kv_checksum(rig.cache_a, src)
 
 
+class _FlipsAByte:
+    """A sender's socket that flips the last byte of the first write of at least ``min_nbytes``
+    (a layer frame's, whose last byte is KV): bytes changed on the way, after the sender took
+    its checksum of them."""
+
+    def __init__(self, sock: object, min_nbytes: int) -> None:
+        self._sock = sock
+        self._min_nbytes = min_nbytes
+        self.has_flipped = False
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        data = bytearray(b"".join(memoryview(b).cast("B") for b in buffers))
+        if not self.has_flipped and len(data) >= self._min_nbytes:
+            data[-1] ^= 0xFF
+            self.has_flipped = True
+        return int(self._sock.sendmsg([data]))  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+async def _send_flipped(rig: _Rig, versions: tuple[int, ...], src: list[int], dst: list[int],
+                        token: FencingToken) -> None:
+    """One ticket whose first layer frame has a byte flipped on the wire; ``finish`` last."""
+    sender = rig.backend.create_sender(rig.cache_a)
+    try:
+        await sender.open(rig.spec(dst, versions), token)
+        io = sender._connection.io  # type: ignore[union-attr]  # noqa: SLF001
+        flipper = _FlipsAByte(io.sock, LAYOUT.block_nbytes)
+        io.sock = flipper  # type: ignore[assignment]
+        try:
+            await sender.offer_layers(range(LAYOUT.num_layers), src)
+        finally:
+            io.sock = flipper._sock  # type: ignore[assignment]  # noqa: SLF001
+        assert flipper.has_flipped
+        await sender.finish(7, 0.1)
+    finally:
+        await sender.close()
+
+
 async def test_kv_that_differs_from_the_senders_is_refused_at_done() -> None:
     async with _rig() as rig:
         src, dst = [2, 3], [30, 31]
         token = rig.ticket(dst)
-        sender = rig.backend.create_sender(rig.cache_a)
-        await sender.open(rig.spec(dst, (1, 2)), token)
-        await sender.offer_layers(range(LAYOUT.num_layers), src)
-        rig.cache_a.layer_buffers[1][3, 17] ^= 0xFF  # the source changed after it was sent
         with pytest.raises(TransferFailedError, match="checksum_mismatch"):
-            await sender.finish(7, 0.1)
-        await sender.close()
+            await _send_flipped(rig, (1, 2), src, dst, token)
         assert rig.receiver.poll(token) is TransferPoll.FAILED
         assert [r.reason for r in rig.receiver.rejections if r.token == token] == [
             RejectReason.CHECKSUM_MISMATCH]
@@ -244,17 +279,12 @@ async def test_kv_that_differs_from_the_senders_is_refused_at_done() -> None:
 
 
 async def test_at_version_1_the_same_corruption_is_not_seen() -> None:
-    """What version 2 adds: a version 1 handoff of the same changed source succeeds (only an
+    """What version 2 adds: a version 1 handoff of the same changed bytes succeeds (only an
     audit comparing both sides' checksums later would see it)."""
     async with _rig() as rig:
         src, dst = [2, 3], [30, 31]
         token = rig.ticket(dst)
-        sender = rig.backend.create_sender(rig.cache_a)
-        await sender.open(rig.spec(dst, ()), token)
-        await sender.offer_layers(range(LAYOUT.num_layers), src)
-        rig.cache_a.layer_buffers[1][3, 17] ^= 0xFF
-        await sender.finish(7, 0.1)
-        await sender.close()
+        await _send_flipped(rig, (), src, dst, token)
         await rig.receiver.wait(token, WAIT_S)
         assert kv_checksum(rig.cache_b, dst) != kv_checksum(rig.cache_a, src)
 

@@ -51,3 +51,27 @@ async def test_the_checksum_follows_the_kv() -> None:
     crc = LayerCrc(cache, IDS)
     crc.add(0, LAYOUT.num_layers, IDS)
     assert await crc.result() == kv_checksum(cache, IDS) != before
+
+
+async def test_inline_threaded_and_mixed_steps_give_the_same_checksum() -> None:
+    cache = _cache()
+    whole = kv_checksum(cache, IDS)
+    step_nbytes = len(IDS) * LAYOUT.block_nbytes
+    # 0: every step to the thread; 2 layers' worth: one- and two-layer steps inline, the
+    # three-layer step to the thread and the step after it chained behind it; huge: all inline.
+    for inline_nbytes in (0, 2 * step_nbytes, 1 << 30):
+        crc = LayerCrc(cache, IDS, inline_nbytes=inline_nbytes)
+        crc.add(0, 1, IDS)
+        crc.add(1, 3, IDS)
+        crc.add(4, 1, IDS)
+        crc.add(5, 1, IDS)
+        assert await crc.result() == whole, inline_nbytes
+
+
+async def test_a_closed_checksum_is_computed_whole() -> None:
+    cache = _cache()
+    crc = LayerCrc(cache, IDS, inline_nbytes=0)
+    crc.add(0, 3, IDS)
+    crc.close()  # the thread step is cancelled
+    crc.add(3, 3, IDS)
+    assert await crc.result() == kv_checksum(cache, IDS)

@@ -71,20 +71,37 @@ def _crc_of_layers(kv_cache: KvCache, ids: np.ndarray, first: int, count: int, c
     return crc
 
 
+INLINE_CRC_NBYTES = 256 * 1024
+"""A step of a ``LayerCrc`` over at most this many bytes of host memory runs on the event loop
+(zlib's CRC-32 does ~4 GB/s here: about 60 us at most): handing it to a thread costs more
+than that in task, executor and wake-up overhead (and a loop iteration of latency). Larger
+steps (a real model's layers: megabytes) go to the thread."""
+
+
 class LayerCrc:
     """``kv_checksum`` of a handoff's blocks, built layer by layer as the layers are sent or
-    land, in a thread: when DONE comes the checksum is ready or nearly (at a real model's KV
-    size the whole computation takes milliseconds per side, and was on the request's path).
+    land: when DONE comes the checksum is ready or nearly (at a real model's KV size the whole
+    computation takes milliseconds per side, and was on the request's path). Steps of up to
+    ``inline_nbytes`` run at once, on the caller's thread, while no larger step is pending;
+    the others in a thread, in order.
 
     Layers must come in order 0, 1, ..., each with every block of ``block_ids`` (the checksum's
-    order); otherwise ``result`` computes the checksum whole, in the thread too."""
+    order); otherwise ``result`` computes the checksum whole (in the thread unless small)."""
 
-    def __init__(self, kv_cache: KvCache, block_ids: Sequence[int] | np.ndarray) -> None:
+    def __init__(self, kv_cache: KvCache, block_ids: Sequence[int] | np.ndarray, *,
+                 inline_nbytes: int = INLINE_CRC_NBYTES) -> None:
         self._kv_cache = kv_cache
         self._ids = np.asarray(block_ids, dtype=np.int64)
         self._next_layer = 0
+        self._value = 0
+        """The checksum of the layers before the pending thread steps (all of them if none)."""
         self._task: asyncio.Task[int] | None = None
         self._is_in_order = True
+        is_host = len(kv_cache.layer_buffers) == kv_cache.layout.num_layers
+        self._inline_nbytes = inline_nbytes if is_host else -1  # a GPU's memory: the thread
+
+    def _nbytes(self, ids: np.ndarray, num_layers: int) -> int:
+        return num_layers * len(ids) * self._kv_cache.layout.block_nbytes
 
     def add(self, first_layer: int, num_layers: int,
             block_ids: Sequence[int] | np.ndarray) -> None:
@@ -92,30 +109,43 @@ class LayerCrc:
         if not self._is_in_order:
             return
         if first_layer != self._next_layer or not np.array_equal(block_ids, self._ids):
-            self._is_in_order = False
             self.close()
             return
         self._next_layer = first_layer + num_layers
-        self._task = asyncio.ensure_future(self._chain(self._task, first_layer, num_layers))
+        task = self._task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+            self._value, self._task = task.result(), None
+        if self._task is None and self._nbytes(self._ids, num_layers) <= self._inline_nbytes:
+            self._value = _crc_of_layers(self._kv_cache, self._ids, first_layer, num_layers,
+                                         self._value)
+            return
+        self._task = asyncio.ensure_future(
+            self._chain(self._task, self._value, first_layer, num_layers))
 
-    async def _chain(self, previous: asyncio.Task[int] | None, first: int, count: int) -> int:
-        crc = await previous if previous is not None else 0
+    async def _chain(self, previous: asyncio.Task[int] | None, crc: int, first: int,
+                     count: int) -> int:
+        if previous is not None:
+            crc = await previous
         return await asyncio.get_running_loop().run_in_executor(
             _CRC_THREADS, _crc_of_layers, self._kv_cache, self._ids, first, count, crc)
 
     async def result(self, block_ids: Sequence[int] | np.ndarray | None = None) -> int:
         """The checksum of every layer of ``block_ids`` (default: the ids given at the start)."""
         ids = self._ids if block_ids is None else np.asarray(block_ids, dtype=np.int64)
-        if (self._is_in_order and self._task is not None and np.array_equal(ids, self._ids)
-                and self._next_layer == self._kv_cache.layout.num_layers):
-            return await self._task
+        num_layers = self._kv_cache.layout.num_layers
+        if (self._is_in_order and np.array_equal(ids, self._ids)
+                and self._next_layer == num_layers):
+            return self._value if self._task is None else await self._task
         self.close()
+        if self._nbytes(ids, num_layers) <= self._inline_nbytes:
+            return _crc_of_layers(self._kv_cache, ids, 0, num_layers, 0)
         return await asyncio.get_running_loop().run_in_executor(
-            _CRC_THREADS, _crc_of_layers, self._kv_cache, ids, 0,
-            self._kv_cache.layout.num_layers, 0)
+            _CRC_THREADS, _crc_of_layers, self._kv_cache, ids, 0, num_layers, 0)
 
     def close(self) -> None:
-        """Stop the computation (the handoff ended without it)."""
+        """Stop the computation (the handoff ended without it); a later ``result`` computes
+        the checksum whole."""
+        self._is_in_order = False
         if self._task is not None:
             self._task.cancel()
             self._task = None
