@@ -49,6 +49,7 @@ from pdserve.state.factory import StateOptions, open_backend
 from pdserve.state.interfaces import StateBackend
 from pdserve.state.redis.backend import RedisStateBackend
 from pdserve.state.redis.keys import RedisKeys
+from pdserve.state.redis.tickets import BACKSTOP_MARGIN_S
 from pdserve.state.shared import WorkerUnverifiedError
 
 RETENTION_S = 60.0
@@ -530,6 +531,37 @@ async def test_a_ticket_is_found_by_its_id_alone(harness: Harness) -> None:
         keys = harness.backend.keys
         assert key_slot(keys.ticket_owner(ticket.token.ticket_id).encode()) == key_slot(
             keys.ledger("d1").encode())
+
+
+async def test_a_freed_tickets_id_index_lives_as_long_as_its_retention(harness: Harness) -> None:
+    """Released or aborted, a ticket needs its id index (both of them: this release's and the
+    earlier one's) only as long as the ticket itself is kept; until then the index outlives
+    it by far (it must find tickets held for a long sequence)."""
+    backend = harness.backend
+    if not isinstance(backend, RedisStateBackend):
+        pytest.skip("the id index is Redis's")
+    await backend.tickets.set_capacity("d1", 16)
+    keys = backend.keys
+    released = await backend.tickets.open(spec())
+    aborted = await backend.tickets.open(spec())
+    backstop_ms = (RETENTION_S + BACKSTOP_MARGIN_S) * 1000
+    index_ttl_ms = harness.options.ticket_index_ttl_s * 1000
+    assert index_ttl_ms > 2 * backstop_ms
+    index_keys = {ticket.token.ticket_id: [keys.ticket_owner(ticket.token.ticket_id)]
+                  for ticket in (released, aborted)}
+    if not isinstance(backend.client, RedisCluster):  # there written off the open's path
+        for ticket_id, keys_of in index_keys.items():
+            keys_of.append(keys.legacy_ticket_owner(ticket_id))
+    for keys_of in index_keys.values():
+        for key in keys_of:
+            assert await backend.client.pttl(key) > 2 * backstop_ms, key
+    await backend.tickets.release(released.token)
+    await backend.tickets.transition(aborted.token, TicketState.ABORTED, "test")
+    await backend.tickets.finish_background_writes()
+    for keys_of in index_keys.values():
+        for key in keys_of:
+            assert 0 < await backend.client.pttl(key) <= backstop_ms, key
+    assert await backend.tickets.find(released.token.ticket_id) is not None
 
 
 async def test_a_ticket_an_earlier_release_indexed_is_found(harness: Harness) -> None:

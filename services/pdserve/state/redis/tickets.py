@@ -302,8 +302,9 @@ class RedisTicketLedger:
             token,
             [redis_time(now), str(state), reason, allowed_from, is_freeing, self._purge_time(now),
              self._backstop_ms],
+            self._index_keys(token.ticket_id),
         )
-        if is_freeing == "1":
+        if is_freeing == "1" and self._is_cluster:
             await self._shorten_owner_ttl([token.ticket_id])
         return ticket
 
@@ -332,8 +333,10 @@ class RedisTicketLedger:
             "release",
             token,
             [redis_time(now), self._purge_time(now), self._backstop_ms, REASON_RELEASED],
+            self._index_keys(token.ticket_id),
         )
-        await self._shorten_owner_ttl([token.ticket_id])
+        if self._is_cluster:
+            await self._shorten_owner_ttl([token.ticket_id])
         return ticket
 
     @store_call
@@ -441,15 +444,19 @@ class RedisTicketLedger:
 
     # -- internals --------------------------------------------------------------------------
 
-    async def _token_script(self, name: str, token: FencingToken, args: list[Any]) -> Ticket:
-        return _ticket_from_fields(pairs(await self._token_reply(name, token, args)))
+    async def _token_script(self, name: str, token: FencingToken, args: list[Any],
+                            extra_keys: Sequence[str] = ()) -> Ticket:
+        return _ticket_from_fields(pairs(await self._token_reply(name, token, args, extra_keys)))
 
-    async def _token_reply(self, name: str, token: FencingToken, args: list[Any]) -> list[Any]:
-        """The unwrapped reply of a script over one ticket (found by its id index)."""
+    async def _token_reply(self, name: str, token: FencingToken, args: list[Any],
+                           extra_keys: Sequence[str] = ()) -> list[Any]:
+        """The unwrapped reply of a script over one ticket (found by its id index); its keys
+        are the ticket's, then ``extra_keys``."""
         worker_id = await self._owner_of(token.ticket_id)
         if worker_id is None:
             raise StaleTokenError(f"unknown ticket {token.ticket_id}")
-        keys = [*self._keys.ledger_keys(worker_id), self._keys.ticket(worker_id, token.ticket_id)]
+        keys = [*self._keys.ledger_keys(worker_id), self._keys.ticket(worker_id, token.ticket_id),
+                *extra_keys]
         return unwrap_reply(
             await self._scripts(name, keys, [token.ticket_id, token.attempt, *args])
         )
@@ -468,6 +475,13 @@ class RedisTicketLedger:
     def _ticket_keys(self, worker_id: str, ticket_ids: Sequence[str]) -> list[str]:
         return [*self._keys.ledger_keys(worker_id),
                 *(self._keys.ticket(worker_id, ticket_id) for ticket_id in ticket_ids)]
+
+    def _index_keys(self, ticket_id: str) -> list[str]:
+        """The id index keys a freeing script shortens itself, on one node (a cluster keeps
+        the earlier release's index on other masters: ``_shorten_owner_ttl`` there)."""
+        if self._is_cluster:
+            return []
+        return [self._keys.ticket_owner(ticket_id), self._keys.legacy_ticket_owner(ticket_id)]
 
     async def _shorten_owner_ttl(self, ticket_ids: Sequence[str]) -> None:
         """Retired tickets need their id index only as long as their own retention. (On a
