@@ -1,50 +1,111 @@
 """Prefix caches of simulated prefill instances (traces with prefix hashes).
 
-Each instance keeps an LRU of engine block hashes (``PrefillInstance.lru``). A prompt's blocks
-are inserted or refreshed last block first, so a prefix always outlives its extensions: the LRU
-holds prefix-closed chains, and the cached prefix of a prompt is found by bisection.
+Each prefill instance keeps an LRU of engine blocks (``PrefillInstance.cache``), as the engine's
+own prefix cache does. A prompt's blocks are inserted or refreshed last block first, so a prefix
+always outlives its extensions: the cache holds prefix-closed chains, and the cached prefix of a
+prompt is its leading blocks up to the first one missing.
+
+The blocks are kept by trace block (``Trace.prefix_chunks``: a chain hash per
+``hash_block_tokens`` of prompt, e.g. 32 engine blocks of 16 tokens in a Mooncake block of 512),
+not one entry per engine block: the engine blocks of one trace block differ only by their place
+in it, so which of them a cache holds is a count, and touching a 12k-token prompt is ~24 steps
+rather than ~750. The LRU order is kept exactly, at engine-block grain, as *runs*: a run is
+blocks ``lo..hi`` of one trace block, touched together (block ``hi`` the least recently used of
+them). A touch of a trace block's first ``k`` blocks makes them one new run at the recent end;
+its blocks beyond ``k`` keep their older runs, so the runs of one trace block, oldest first,
+hold its highest blocks first, and eviction, taking blocks from the oldest run's top, leaves
+each trace block holding a prefix of its blocks. ``tests/unit/test_sim_prefix_cache.py`` checks
+this against a plain per-engine-block LRU.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdserve.sim.state import READY, PrefillInstance
 
+class PrefixCache:
+    """One instance's cache. ``num_blocks`` engine blocks are held; ``touch`` evicts down to
+    the capacity it is given."""
 
-def cached_prefix(lru: OrderedDict[int, None], hashes: list[int]) -> int:
-    """Leading ``hashes`` held in ``lru``, by bisection (the LRU is prefix-closed)."""
-    lo, hi = 0, len(hashes)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if hashes[mid - 1] in lru:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    __slots__ = ("_held", "_next_run", "_order", "_runs", "num_blocks")
 
+    def __init__(self) -> None:
+        self.num_blocks = 0
+        self._held: dict[int, int] = {}
+        """Trace-block chain hash -> engine blocks held of it (always its first ones)."""
+        self._runs: dict[int, list[int]] = {}
+        """Trace-block chain hash -> ids of its runs, oldest first."""
+        self._order: OrderedDict[int, list[int]] = OrderedDict()
+        """Run id -> ``[chain hash, lo, hi]`` (engine blocks of that trace block, 1-based),
+        least recently used first."""
+        self._next_run = 0
 
-def touch_prefix(lru: OrderedDict[int, None], hashes: list[int], capacity_blocks: int) -> None:
-    """Insert or refresh ``hashes`` last block first, then evict the least recently used
-    blocks beyond ``capacity_blocks``."""
-    for value in reversed(hashes):
-        if value in lru:
-            lru.move_to_end(value)
-        else:
-            lru[value] = None
-    excess = len(lru) - capacity_blocks
-    for _ in range(max(0, excess)):
-        lru.popitem(last=False)
+    def holds(self, chunk: int) -> bool:
+        """Whether any block of trace block ``chunk`` (a chain hash) is held."""
+        return chunk in self._held
 
+    def cached_blocks(self, chunks: list[int], counts: list[int]) -> int:
+        """Leading engine blocks of a prompt (``Trace.prefix_chunks``: chain hashes and engine
+        blocks per trace block) that are held."""
+        held = self._held
+        total = 0
+        for chunk, need in zip(chunks, counts, strict=True):
+            have = held.get(chunk, 0)
+            if have < need:
+                return total + have
+            total += need
+        return total
 
-def overlaps(prefills: list[PrefillInstance], hashes: list[int]) -> dict[int, int]:
-    """Leading blocks of a prompt (its block ``hashes``) each ready prefill instance holds, by
-    instance number (only those > 0)."""
-    found: dict[int, int] = {}
-    if not hashes:
-        return found
-    first = hashes[0]
-    for pre in prefills:
-        if pre.state == READY and first in pre.lru:
-            found[pre.idx] = cached_prefix(pre.lru, hashes)
-    return found
+    def touch(self, chunks: list[int], counts: list[int], capacity_blocks: int) -> None:
+        """Insert or refresh a prompt's blocks, last block first, then evict the least recently
+        used blocks beyond ``capacity_blocks``."""
+        held, runs, order = self._held, self._runs, self._order
+        added = 0
+        for i in range(len(chunks) - 1, -1, -1):
+            chunk, need = chunks[i], counts[i]
+            have = held.get(chunk, 0)
+            if have:
+                ids = runs[chunk]
+                while ids:  # newest run first: it holds the lowest blocks
+                    run = order[ids[-1]]
+                    if run[2] > need:
+                        if run[1] <= need:
+                            run[1] = need + 1
+                        break
+                    del order[ids.pop()]
+                if need > have:
+                    added += need - have
+                    held[chunk] = need
+            else:
+                ids = runs[chunk] = []
+                held[chunk] = need
+                added += need
+            run_id = self._next_run
+            self._next_run = run_id + 1
+            order[run_id] = [chunk, 1, need]
+            ids.append(run_id)
+        self.num_blocks += added
+        excess = self.num_blocks - capacity_blocks
+        if excess > 0:
+            self._evict(excess)
+
+    def _evict(self, num_blocks: int) -> None:
+        held, runs, order = self._held, self._runs, self._order
+        self.num_blocks -= num_blocks
+        while num_blocks > 0:
+            run = order[next(iter(order))]
+            chunk, lo, hi = run
+            size = hi - lo + 1
+            if size > num_blocks:
+                run[2] = hi - num_blocks
+                held[chunk] -= num_blocks
+                return
+            order.popitem(last=False)
+            num_blocks -= size
+            ids = runs[chunk]
+            del ids[0]
+            if ids:
+                held[chunk] -= size
+            else:
+                del runs[chunk], held[chunk]
+

@@ -59,7 +59,6 @@ from pdserve.sim.engine_model import InstanceModel, instance_model
 from pdserve.sim.fleet import Fleet
 from pdserve.sim.live_admission import LiveAdmission
 from pdserve.sim.observation import ScalingWindow
-from pdserve.sim.prefix_cache import cached_prefix, overlaps, touch_prefix
 from pdserve.sim.recorder import Recorder
 from pdserve.sim.result import RequestStatus, ScalingRecord, SimResult
 from pdserve.sim.shortlist import MAX_FREE_BLOCKS
@@ -90,6 +89,8 @@ ProgressFn = Callable[[int, int, float], None]
 
 # Event kinds (indices into Simulator._handlers).
 EV_PREFILL_DONE, EV_KV_LANDED, EV_DECODE_STEP, EV_READY, EV_FAIL, EV_SCALE, EV_SAMPLE = range(7)
+_NO_CHUNKS: tuple[list[int], list[int]] = ([], [])
+"""A prompt without prefix hashes (``Trace.prefix_chunks``)."""
 
 
 
@@ -129,7 +130,7 @@ class Simulator:
         self._local_prefill_s = self.model.perf.prefill_time_s
         self._timing = DecodeTiming(self.model)
         self._chunk_budget = cluster.chunked_prefill_tokens
-        self._lru_cap = cluster.prefix_cache_blocks or self.prefill_model.num_blocks
+        self._prefix_cache_blocks = cluster.prefix_cache_blocks or self.prefill_model.num_blocks
         self._has_hashes = trace.has_prefix_hashes
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -256,7 +257,7 @@ class Simulator:
             self._live.meet(self._fleet.prefills, req, self.now)
         overlap: dict[int, int] = {}
         if self._has_hashes and self._fleet.prefills:
-            overlap = overlaps(self._fleet.prefills, self._hashes(req))
+            overlap = self._overlaps(req)
         try:
             decision = route(req.route_request, decodes, shortlist.prefill_candidates(overlap),
                              self.config.routing)
@@ -302,10 +303,23 @@ class Simulator:
                 self._cut_run(dec)
         return True
 
-    def _hashes(self, req: SimRequest) -> list[int]:
-        if req.hashes is None:
-            req.hashes = self.trace.engine_block_hashes(req.i, self._block_size)
-        return req.hashes
+    def _chunks(self, req: SimRequest) -> tuple[list[int], list[int]]:
+        if req.chunks is None:
+            req.chunks = self.trace.prefix_chunks(req.i, self._block_size)
+        return req.chunks
+
+    def _overlaps(self, req: SimRequest) -> dict[int, int]:
+        """Leading engine blocks of ``req``'s prompt each ready prefill instance's prefix cache
+        holds, by instance number (only those > 0)."""
+        chunks, counts = self._chunks(req)
+        found: dict[int, int] = {}
+        if not chunks:
+            return found
+        first = chunks[0]
+        for pre in self._fleet.prefills:
+            if pre.state == READY and pre.cache.holds(first):
+                found[pre.idx] = pre.cache.cached_blocks(chunks, counts)
+        return found
 
     # -- prefill instances --------------------------------------------------------------------
 
@@ -321,18 +335,17 @@ class Simulator:
             if req.attempt != attempt:
                 queue.popleft()
                 continue
+            chunks, counts = self._chunks(req) if self._has_hashes else _NO_CHUNKS
             cached = 0
-            if self._has_hashes:
-                hashes = self._hashes(req)
-                if hashes:
-                    cached = min(cached_prefix(pre.lru, hashes) * self._block_size,
-                                 req.prompt - 1)
+            if chunks:
+                cached = min(pre.cache.cached_blocks(chunks, counts) * self._block_size,
+                             req.prompt - 1)
             uncached = req.prompt - cached
             if batch and total + uncached > budget:
                 break
             queue.popleft()
-            if self._has_hashes and req.hashes:
-                touch_prefix(pre.lru, req.hashes, self._lru_cap)
+            if chunks:
+                pre.cache.touch(chunks, counts, self._prefix_cache_blocks)
             req.cached = cached
             move_ticket(req, PREFILLING)
             batch.append((req, attempt))

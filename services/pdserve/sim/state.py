@@ -9,10 +9,11 @@ simulated seconds.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict, deque
+from collections import deque
 
 from pdserve.common.types import TicketState, WorkerLoad, WorkerRecord, WorkerRole, WorkerState
 from pdserve.router.policy import DecodeCandidate, PrefillCandidate, RouteRequest
+from pdserve.sim.prefix_cache import PrefixCache
 
 
 class InstanceState(enum.IntEnum):
@@ -65,10 +66,10 @@ class SimRequest:
         "arrival",
         "attempt",
         "cached",
+        "chunks",
         "compute_s",
         "dec",
         "first_s",
-        "hashes",
         "i",
         "is_local",
         "join_s",
@@ -107,7 +108,8 @@ class SimRequest:
         self.is_local = False
         self.cached = 0
         self.prefilled = 0
-        self.hashes: list[int] | None = None
+        self.chunks: tuple[list[int], list[int]] | None = None
+        """Its prompt's trace blocks (``Trace.prefix_chunks``), once asked for."""
 
 
 class Instance:
@@ -156,16 +158,16 @@ class Instance:
 class PrefillInstance(Instance):
     """A prefill instance: its FCFS ``queue`` of ``(request, attempt)`` (``queued_tokens`` their
     prompt tokens, the running batch's included until it ends), the ``batch`` running, its prefix
-    cache (``lru``: engine block hashes, see ``prefix_cache``) and its cached candidate."""
+    ``cache`` (see ``prefix_cache``) and its cached candidate."""
 
-    __slots__ = ("batch", "candidate", "lru", "queue", "queued_tokens")
+    __slots__ = ("batch", "cache", "candidate", "queue", "queued_tokens")
 
     def __init__(self, idx: int, now: float) -> None:
         super().__init__(idx, f"p{idx}", WorkerRole.PREFILL, now)
         self.queue: deque[tuple[SimRequest, int]] = deque()
         self.queued_tokens = 0
         self.batch: list[tuple[SimRequest, int]] = []
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.cache = PrefixCache()
         self.candidate: PrefillCandidate | None = None
 
     def load(self) -> WorkerLoad:

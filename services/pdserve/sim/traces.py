@@ -12,7 +12,8 @@ Formats:
   2024 trace, is accepted).
 - **Mooncake FAST'25**: JSON lines with ``timestamp`` (milliseconds), ``input_length``,
   ``output_length`` and ``hash_ids``, one id per 512-token prompt block, equal ids meaning a
-  reusable KV prefix. ``engine_block_hashes`` maps them onto the engine's block size.
+  reusable KV prefix. ``engine_block_hashes`` maps them onto the engine's block size
+  (``prefix_chunks``: per trace block, as the simulator's prefix caches keep them).
 
 Scaling: ``time_scale`` stretches or compresses inter-arrival times (same requests);
 ``rate_scale`` multiplies the arrival rate (thinning below 1; above 1, replaying jittered copies).
@@ -140,11 +141,27 @@ class Trace:
         engine block is not hashed (as ``prefix_block_hashes`` does for real tokens).
         ``hash_block_tokens`` must be a multiple of ``block_size_tokens``.
         """
-        if self.hash_row is None:
+        chain, counts = self.prefix_chunks(index, block_size_tokens)
+        if not chain:
             return []
+        per_chunk = self.hash_block_tokens // block_size_tokens
+        heads = np.asarray(chain, dtype=np.uint64)[:, None]
+        subs = (np.arange(1, per_chunk + 1, dtype=np.uint64) * np.uint64(_GOLDEN64))[None, :]
+        return _mix64_array((heads ^ subs).ravel()[:sum(counts)]).tolist()
+
+    def prefix_chunks(self, index: int, block_size_tokens: int) -> tuple[list[int], list[int]]:
+        """Request ``index``'s prompt as trace blocks: the chain hash ``H_c`` of each trace block
+        holding at least one full engine block, and how many full engine blocks it holds
+        (``hash_block_tokens / block_size_tokens``, fewer in the last). ``engine_block_hashes``
+        expands the same chain into one hash per engine block; the simulator's prefix caches
+        (``prefix_cache``) keep whole trace blocks, so a prompt costs one step per trace block
+        rather than one per engine block. Both empty without hashes.
+        """
+        if self.hash_row is None:
+            return [], []
         row = int(self.hash_row[index])
         if row < 0:
-            return []
+            return [], []
         if block_size_tokens < 1 or self.hash_block_tokens % block_size_tokens:
             raise InvalidArgumentError(
                 f"block_size_tokens {block_size_tokens} must divide the trace's hash block of "
@@ -156,16 +173,15 @@ class Trace:
         per_chunk = self.hash_block_tokens // block_size_tokens
         num_chunks = min(len(ids), -(-num_full // per_chunk))
         if num_chunks == 0:
-            return []
-        salt = int(self.hash_salt[index])
+            return [], []
         chain = []
-        parent = salt * _GOLDEN64 & _MASK64
+        parent = int(self.hash_salt[index]) * _GOLDEN64 & _MASK64
         for value in ids[:num_chunks]:
             parent = _mix64(parent ^ _mix64(value & _MASK64))
             chain.append(parent)
-        heads = np.asarray(chain, dtype=np.uint64)[:, None]
-        subs = (np.arange(1, per_chunk + 1, dtype=np.uint64) * np.uint64(_GOLDEN64))[None, :]
-        return _mix64_array((heads ^ subs).ravel()[:num_full]).tolist()
+        counts = [per_chunk] * num_chunks
+        counts[-1] = min(per_chunk, num_full - per_chunk * (num_chunks - 1))
+        return chain, counts
 
 
 def _with_arrivals(trace: Trace, arrival_s: np.ndarray) -> Trace:
