@@ -20,25 +20,26 @@ this against a plain per-engine-block LRU.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 
 
 class PrefixCache:
     """One instance's cache. ``num_blocks`` engine blocks are held; ``touch`` evicts down to
     the capacity it is given."""
 
-    __slots__ = ("_held", "_next_run", "_order", "_runs", "num_blocks")
+    __slots__ = ("_held", "_num_dead", "_order", "_runs", "num_blocks")
 
     def __init__(self) -> None:
         self.num_blocks = 0
         self._held: dict[int, int] = {}
         """Trace-block chain hash -> engine blocks held of it (always its first ones)."""
-        self._runs: dict[int, list[int]] = {}
-        """Trace-block chain hash -> ids of its runs, oldest first."""
-        self._order: OrderedDict[int, list[int]] = OrderedDict()
-        """Run id -> ``[chain hash, lo, hi]`` (engine blocks of that trace block, 1-based),
-        least recently used first."""
-        self._next_run = 0
+        self._runs: dict[int, list[list[int]]] = {}
+        """Trace-block chain hash -> its runs, oldest first."""
+        self._order: deque[list[int]] = deque()
+        """Every run as ``[chain hash, lo, hi]`` (engine blocks of that trace block, 1-based),
+        least recently used first; a run refreshed whole is left here dead (``hi`` 0) until it
+        reaches the front or dead runs outnumber live ones."""
+        self._num_dead = 0
 
     def holds(self, chunk: int) -> bool:
         """Whether any block of trace block ``chunk`` (a chain hash) is held."""
@@ -60,52 +61,60 @@ class PrefixCache:
         """Insert or refresh a prompt's blocks, last block first, then evict the least recently
         used blocks beyond ``capacity_blocks``."""
         held, runs, order = self._held, self._runs, self._order
-        added = 0
+        added = dead = 0
         for i in range(len(chunks) - 1, -1, -1):
             chunk, need = chunks[i], counts[i]
             have = held.get(chunk, 0)
             if have:
-                ids = runs[chunk]
-                while ids:  # newest run first: it holds the lowest blocks
-                    run = order[ids[-1]]
+                chunk_runs = runs[chunk]
+                while chunk_runs:  # newest run first: it holds the lowest blocks
+                    run = chunk_runs[-1]
                     if run[2] > need:
                         if run[1] <= need:
                             run[1] = need + 1
                         break
-                    del order[ids.pop()]
+                    run[2] = 0
+                    chunk_runs.pop()
+                    dead += 1
                 if need > have:
                     added += need - have
                     held[chunk] = need
             else:
-                ids = runs[chunk] = []
+                chunk_runs = runs[chunk] = []
                 held[chunk] = need
                 added += need
-            run_id = self._next_run
-            self._next_run = run_id + 1
-            order[run_id] = [chunk, 1, need]
-            ids.append(run_id)
+            run = [chunk, 1, need]
+            order.append(run)
+            chunk_runs.append(run)
         self.num_blocks += added
+        self._num_dead += dead
         excess = self.num_blocks - capacity_blocks
         if excess > 0:
             self._evict(excess)
+        if self._num_dead > len(order) // 2:
+            self._order = deque(run for run in order if run[2])
+            self._num_dead = 0
 
     def _evict(self, num_blocks: int) -> None:
         held, runs, order = self._held, self._runs, self._order
         self.num_blocks -= num_blocks
         while num_blocks > 0:
-            run = order[next(iter(order))]
+            run = order[0]
             chunk, lo, hi = run
+            if not hi:
+                order.popleft()
+                self._num_dead -= 1
+                continue
             size = hi - lo + 1
             if size > num_blocks:
                 run[2] = hi - num_blocks
                 held[chunk] -= num_blocks
                 return
-            order.popitem(last=False)
+            order.popleft()
             num_blocks -= size
-            ids = runs[chunk]
-            del ids[0]
-            if ids:
+            chunk_runs = runs[chunk]
+            del chunk_runs[0]
+            if chunk_runs:
                 held[chunk] -= size
             else:
                 del runs[chunk], held[chunk]
-

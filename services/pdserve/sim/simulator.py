@@ -91,6 +91,8 @@ ProgressFn = Callable[[int, int, float], None]
 EV_PREFILL_DONE, EV_KV_LANDED, EV_DECODE_STEP, EV_READY, EV_FAIL, EV_SCALE, EV_SAMPLE = range(7)
 _NO_CHUNKS: tuple[list[int], list[int]] = ([], [])
 """A prompt without prefix hashes (``Trace.prefix_chunks``)."""
+_CHUNK_BATCH = 2048
+_CHUNK_BATCHES_KEPT = 8
 
 
 
@@ -132,6 +134,7 @@ class Simulator:
         self._chunk_budget = cluster.chunked_prefill_tokens
         self._prefix_cache_blocks = cluster.prefix_cache_blocks or self.prefill_model.num_blocks
         self._has_hashes = trace.has_prefix_hashes
+        self._chunk_batches: dict[int, list[tuple[list[int], list[int]]]] = {}
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -304,8 +307,20 @@ class Simulator:
         return True
 
     def _chunks(self, req: SimRequest) -> tuple[list[int], list[int]]:
+        """``req``'s prompt by trace block (``Trace.prefix_chunks``), computed for a batch of
+        trace rows at a time; the last few batches are kept (a request that waited for room
+        asks after later arrivals have)."""
         if req.chunks is None:
-            req.chunks = self.trace.prefix_chunks(req.i, self._block_size)
+            key = req.i // _CHUNK_BATCH
+            batch = self._chunk_batches.get(key)
+            if batch is None:
+                if len(self._chunk_batches) >= _CHUNK_BATCHES_KEPT:
+                    del self._chunk_batches[next(iter(self._chunk_batches))]
+                start = key * _CHUNK_BATCH
+                batch = self._chunk_batches[key] = self.trace.prefix_chunk_batch(
+                    start, min(start + _CHUNK_BATCH, self.trace.num_requests),
+                    self._block_size)
+            req.chunks = batch[req.i - key * _CHUNK_BATCH]
         return req.chunks
 
     def _overlaps(self, req: SimRequest) -> dict[int, int]:

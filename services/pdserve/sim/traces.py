@@ -157,31 +157,53 @@ class Trace:
         (``prefix_cache``) keep whole trace blocks, so a prompt costs one step per trace block
         rather than one per engine block. Both empty without hashes.
         """
+        return self.prefix_chunk_batch(index, index + 1, block_size_tokens)[0]
+
+    def prefix_chunk_batch(self, start: int, stop: int,
+                           block_size_tokens: int) -> list[tuple[list[int], list[int]]]:
+        """``prefix_chunks`` of requests ``start`` to ``stop - 1``, the chains computed together
+        (one numpy step per trace-block position across the requests, not one Python hash per
+        trace block)."""
+        num = stop - start
         if self.hash_row is None:
-            return [], []
-        row = int(self.hash_row[index])
-        if row < 0:
-            return [], []
+            return [([], [])] * num
         if block_size_tokens < 1 or self.hash_block_tokens % block_size_tokens:
             raise InvalidArgumentError(
                 f"block_size_tokens {block_size_tokens} must divide the trace's hash block of "
                 f"{self.hash_block_tokens} tokens", field="block_size_tokens")
         assert (self.hash_offsets is not None and self.hash_ids is not None
                 and self.hash_salt is not None)
-        ids = self.hash_ids[self.hash_offsets[row]:self.hash_offsets[row + 1]].tolist()
-        num_full = int(self.prompt_tokens[index]) // block_size_tokens
         per_chunk = self.hash_block_tokens // block_size_tokens
-        num_chunks = min(len(ids), -(-num_full // per_chunk))
-        if num_chunks == 0:
-            return [], []
-        chain = []
-        parent = int(self.hash_salt[index]) * _GOLDEN64 & _MASK64
-        for value in ids[:num_chunks]:
-            parent = _mix64(parent ^ _mix64(value & _MASK64))
-            chain.append(parent)
-        counts = [per_chunk] * num_chunks
-        counts[-1] = min(per_chunk, num_full - per_chunk * (num_chunks - 1))
-        return chain, counts
+        rows = self.hash_row[start:stop]
+        has_row = rows >= 0
+        rows = np.where(has_row, rows, 0)
+        first_id = self.hash_offsets[rows]
+        num_full = self.prompt_tokens[start:stop] // block_size_tokens
+        num_chunks = np.where(has_row, np.minimum(self.hash_offsets[rows + 1] - first_id,
+                                                  -(-num_full // per_chunk)), 0)
+        # Longest first, so the requests still extending their chain at position c are a prefix.
+        order = np.argsort(-num_chunks, kind="stable")
+        sorted_chunks = num_chunks[order]
+        first_id = first_id[order]
+        max_chunks = int(sorted_chunks[0]) if num else 0
+        num_active = np.searchsorted(-sorted_chunks, -np.arange(max_chunks), side="left")
+        ids = self.hash_ids.astype(np.uint64)
+        parent = self.hash_salt[start:stop][order].astype(np.uint64) * np.uint64(_GOLDEN64)
+        chains = np.empty((num, max_chunks), dtype=np.uint64)
+        for c in range(max_chunks):
+            active = int(num_active[c])
+            values = _mix64_array(ids[first_id[:active] + c])
+            parent[:active] = _mix64_array(parent[:active] ^ values)
+            chains[:active, c] = parent[:active]
+        out: list[tuple[list[int], list[int]]] = [([], [])] * num
+        for position, i in enumerate(order.tolist()):
+            count = int(sorted_chunks[position])
+            if not count:
+                break
+            counts = [per_chunk] * count
+            counts[-1] = min(per_chunk, int(num_full[i]) - per_chunk * (count - 1))
+            out[i] = (chains[position, :count].tolist(), counts)
+        return out
 
 
 def _with_arrivals(trace: Trace, arrival_s: np.ndarray) -> Trace:
@@ -190,15 +212,9 @@ def _with_arrivals(trace: Trace, arrival_s: np.ndarray) -> Trace:
                  trace.name, trace.tenant)
 
 
-def _mix64(value: int) -> int:
-    """SplitMix64's finaliser: a fixed, well-mixing bijection of 64-bit integers."""
-    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK64
-    return value ^ (value >> 31)
-
-
 def _mix64_array(values: np.ndarray) -> np.ndarray:
-    """``_mix64`` over a uint64 array (numpy's uint64 arithmetic wraps modulo 2**64)."""
+    """SplitMix64's finaliser over a uint64 array (numpy's uint64 arithmetic wraps modulo 2**64): a
+    fixed, well-mixing bijection of 64-bit integers."""
     values = values ^ (values >> np.uint64(30))
     values = values * np.uint64(0xBF58476D1CE4E5B9)
     values = values ^ (values >> np.uint64(27))
