@@ -12,8 +12,14 @@ simulating costs over touching each request. The last line is one JSON object.
 Then the Mooncake conversation trace (``<repo>/../shared/data/traces/
 mooncake_fast25_conversation_trace.jsonl``: long prompts, prefix hashes) at its own timestamps
 on a 6 prefill + 3 decode cluster of the same instances, with each prefill instance's prefix
-cache on: ``sim_requests_per_s_mooncake``. ``dynamo_replay_requests_per_s_mooncake`` (Dynamo's
-``dynamo.replay`` on the same trace and shape) is null: running it is not wired here yet.
+cache on: ``sim_requests_per_s_mooncake``. When NVIDIA Dynamo is installed in the bench's peers
+venv (``python bench/peers.py --install``), its offline ``dynamo.replay`` (Rust; the mocker
+engines' defaults) replays the same trace on 6 prefill + 3 decode workers in the same run,
+once with round-robin routing and once with its KV-aware router (the one comparable with
+pdserve's prefix-aware routing), best of ``--repeat`` each, timed by Dynamo's own
+``wall_time_ms`` (runtime construction and execution, as pdserve's time is the simulation
+alone): ``dynamo_replay_requests_per_s_mooncake`` is the faster mode's (null when Dynamo is
+absent) and ``mooncake_vs_dynamo`` ours over it.
 
 Without the trace (``<repo>/../shared/data/traces/azure_llm_2023_conv.csv``) a synthetic
 Poisson trace with the conversation trace's mean lengths is used, and the output says so.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +39,9 @@ import numpy as np
 from pdserve.sim import ClusterSpec, SimConfig, SloSpec, simulate
 from pdserve.sim.engine_model import InstanceModel, balance_pools, instance_model
 from pdserve.sim.traces import LengthSpec, Trace, load_trace, rate_scale, synthetic_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _peers_procs import PEERS_DIR, PEERS_VENV  # noqa: E402  (a sibling module of the bench)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_llm_2023_conv.csv"
@@ -101,16 +111,65 @@ def replay_mooncake(path: Path, instance: InstanceModel, repeat: int) -> int | N
     best = min((simulate(trace, config, instance=instance) for _ in range(repeat)),
                key=lambda result: result.wall_s)
     rps = trace.num_requests / best.wall_s
+    cached = float(np.sum(best.cached_tokens)) / float(np.sum(trace.prompt_tokens))
     print(f"\nmooncake: {path.name}, {trace.num_requests:,} requests over "
           f"{trace.duration_s:,.0f} s at its own timestamps (mean prompt "
           f"{float(np.mean(trace.prompt_tokens)):,.0f} tokens, prefix hashes "
           f"{'yes' if trace.has_prefix_hashes else 'no'}) on {num_prefill}P+{num_decode}D "
           f"{MODEL} TP{TP_SIZE}, prefix cache {MOONCAKE_PREFIX_CACHE_BLOCKS:,} blocks per "
           f"prefill instance")
-    print(f"  simulated in {best.wall_s:.2f} s wall: {rps:,.0f} requests/s, "
-          f"{best.num_events / trace.num_requests:.1f} events per request, SLO attainment "
-          f"{best.attainment():.1%}; dynamo.replay: not run (not wired here yet)")
+    print(f"  pdserve: simulated in {best.wall_s:.2f} s wall: {rps:,.0f} requests/s, "
+          f"{best.num_events / trace.num_requests:.1f} events per request, prompt tokens "
+          f"from prefix caches {cached:.1%}, SLO attainment {best.attainment():.1%}")
     return round(rps)
+
+
+DYNAMO_REPLAY = """
+import json, sys
+from dynamo.replay import run_trace_replay
+path, mode, num_prefill, num_decode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+report = run_trace_replay(
+    path, trace_format="mooncake", router_mode=mode,
+    num_prefill_workers=num_prefill, num_decode_workers=num_decode,
+    prefill_engine_args={"engine": {"worker_type": "prefill"}},
+    decode_engine_args={"engine": {"worker_type": "decode"}})
+print(json.dumps({key: report.summary.get(key) for key in (
+    "completed_requests", "wall_time_ms", "prefix_cache_reused_ratio", "p90_ttft_ms")}))
+"""
+"""Run by the peers venv's Python: one offline ``dynamo.replay`` of a Mooncake trace."""
+DYNAMO_ROUTER_MODES = ("round_robin", "kv_router")
+
+
+def replay_dynamo(path: Path, repeat: int) -> dict[str, int]:
+    """Dynamo's simulated requests per second of wall time on the Mooncake trace and the same
+    shape, by router mode (best of ``repeat``); empty when Dynamo or the trace is absent."""
+    python = PEERS_VENV / "bin" / "python"
+    if not path.is_file():
+        return {}
+    if not ((PEERS_DIR / "dynamo.installed").is_file() and python.is_file()):
+        print("  dynamo.replay: not installed (python bench/peers.py --install): skipped")
+        return {}
+    rates: dict[str, int] = {}
+    for mode in DYNAMO_ROUTER_MODES:
+        best_ms = float("inf")
+        for attempt in range(repeat):
+            print(f"  dynamo.replay ({mode}, run {attempt + 1} of {repeat}) ...", flush=True)
+            done = subprocess.run(
+                [str(python), "-c", DYNAMO_REPLAY, str(path), mode, *map(str, MOONCAKE_SHAPE)],
+                capture_output=True, text=True, timeout=600, check=False)
+            if done.returncode != 0:
+                print(f"  dynamo.replay ({mode}) failed: {done.stderr.strip()[-500:]}")
+                break
+            summary = json.loads(done.stdout.strip().splitlines()[-1])
+            best_ms = min(best_ms, float(summary["wall_time_ms"]))
+        else:
+            num = int(summary["completed_requests"])
+            rates[mode] = round(num / (best_ms / 1000.0))
+            print(f"  dynamo.replay {mode}: {num:,} requests in {best_ms / 1000:.2f} s wall: "
+                  f"{rates[mode]:,} requests/s, prompt tokens from prefix caches "
+                  f"{float(summary['prefix_cache_reused_ratio']):.1%}, TTFT p90 "
+                  f"{float(summary['p90_ttft_ms']):,.0f} ms (its mocker's own timing model)")
+    return rates
 
 
 def main() -> int:
@@ -182,10 +241,17 @@ def main() -> int:
           f"sim runs {best.end_s / best.wall_s:.0f}x faster than real time; the process had "
           f"{cpu_s / best.wall_s:.0%} of a core (other load on the machine slows the wall clock)")
     mooncake = replay_mooncake(args.mooncake, instance, args.repeat)
+    dynamo = replay_dynamo(args.mooncake, args.repeat) if mooncake is not None else {}
+    dynamo_best = max(dynamo.values()) if dynamo else None
+    if mooncake is not None and dynamo_best:
+        print(f"  pdserve over the faster dynamo.replay mode: {mooncake / dynamo_best:.2f}x")
     print(json.dumps({
         "sim_requests_per_s": round(sim_rps),
         "sim_requests_per_s_mooncake": mooncake,
-        "dynamo_replay_requests_per_s_mooncake": None,
+        "dynamo_replay_requests_per_s_mooncake": dynamo_best,
+        "dynamo_replay_requests_per_s_mooncake_by_router": dynamo or None,
+        "mooncake_vs_dynamo": (round(mooncake / dynamo_best, 2)
+                               if mooncake is not None and dynamo_best else None),
         "sim_requests_per_cpu_s": round(trace.num_requests / cpu_s),
         "baseline_requests_per_s": round(base_rps),
         "num_requests": trace.num_requests,
