@@ -38,7 +38,6 @@ from pdserve.common.errors import InvalidArgumentError
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` entry in the Mooncake traces."""
 
-_MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 
 
@@ -187,12 +186,11 @@ class Trace:
         first_id = first_id[order]
         max_chunks = int(sorted_chunks[0]) if num else 0
         num_active = np.searchsorted(-sorted_chunks, -np.arange(max_chunks), side="left")
-        ids = self.hash_ids.astype(np.uint64)
         parent = self.hash_salt[start:stop][order].astype(np.uint64) * np.uint64(_GOLDEN64)
         chains = np.empty((num, max_chunks), dtype=np.uint64)
         for c in range(max_chunks):
             active = int(num_active[c])
-            values = _mix64_array(ids[first_id[:active] + c])
+            values = _mix64_array(self.hash_ids[first_id[:active] + c].astype(np.uint64))
             parent[:active] = _mix64_array(parent[:active] ^ values)
             chains[:active, c] = parent[:active]
         out: list[tuple[list[int], list[int]]] = [([], [])] * num
