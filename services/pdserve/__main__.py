@@ -1,9 +1,8 @@
-import os
 import sys
 
 from pdserve.cli.main import main
 from pdserve.common.runtime import install_fast_event_loop
 
 # uvloop when installed; PDSERVE_UVLOOP=0 keeps the standard loop (read here, before any loop).
-install_fast_event_loop(os.environ.get("PDSERVE_UVLOOP", "1") not in ("0", "false", "no"))
+install_fast_event_loop()
 sys.exit(main())

@@ -63,7 +63,7 @@ def settings_for(args: argparse.Namespace) -> CommonSettings:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_for(args)
-    install_fast_event_loop(os.environ.get("PDSERVE_UVLOOP", "1") not in ("0", "false", "no"))
+    install_fast_event_loop()
     return asyncio.run(_serve(SERVICES[args.service], settings))
 
 

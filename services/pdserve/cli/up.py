@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.common.runtime import install_fast_event_loop
 from pdserve.common.settings import CommonSettings, LogFormat
 from pdserve.common.settings_fields import add_settings_arguments, setting, settings_from_namespace
 from pdserve.common.settings_parsers import (
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         # The catalog's default names a model these workers do not serve: the deployment is
         # the model folder's name unless one was given.
         settings = dataclasses.replace(settings, model=Path(settings.model_path).name)
+    install_fast_event_loop()
     return asyncio.run(_up(settings))
 
 

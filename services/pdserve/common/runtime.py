@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +55,13 @@ def stop_on_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
-def install_fast_event_loop(is_enabled: bool = True) -> bool:
+def install_fast_event_loop(is_enabled: bool | None = None) -> bool:
     """Use uvloop's event loop for every ``asyncio.run`` of this process when it is installed
-    (an optional dependency; without it the standard loop stays). Call before the first loop
-    starts. True if uvloop is now the loop policy."""
+    (a dependency on Linux and macOS; without it the standard loop stays). ``is_enabled`` None
+    reads ``PDSERVE_UVLOOP`` (``0``, ``false`` or ``no`` keep the standard loop). Call before the
+    first loop starts. True if uvloop is now the loop policy."""
+    if is_enabled is None:
+        is_enabled = os.environ.get("PDSERVE_UVLOOP", "1").lower() not in ("0", "false", "no")
     if not is_enabled:
         return False
     try:
