@@ -96,3 +96,34 @@ async def test_bad_admission_is_refused_and_takes_nothing() -> None:
     finally:
         await decode.close()
         await prefill.close()
+
+
+async def test_tokens_made_while_the_consumer_lags_come_in_one_chunk() -> None:
+    """A reader slower than the engine gets what piled up as one chunk (one message on the
+    wire), the same tokens in the same order as a reader that keeps up."""
+    decode, _ = await _pair()
+    try:
+        prompt = list(range(1, 100))
+        num_blocks = decode.engine.layout.num_blocks_for(len(prompt) + 12)
+        eager = await _collect(decode.decode(FencingToken.new(), prompt, 12,
+                                             is_local_prefill=True, num_blocks=num_blocks))
+        chunks: list[list[int]] = []
+        stream = decode.decode(FencingToken.new(), prompt, 12, is_local_prefill=True,
+                               num_blocks=num_blocks)
+        for _ in range(2):  # the first token, then the sequence is in the batch
+            chunk, _ = await anext(stream)
+            chunks.append(chunk)
+        assert decode.load().num_running_seqs == 1
+        # The reader lags: every remaining token is made before it reads again.
+        for _ in range(1000):
+            if decode.load().num_running_seqs == 0:
+                break
+            await asyncio.sleep(0.001)
+        assert decode.load().num_running_seqs == 0
+        async for chunk, _ in stream:
+            chunks.append(chunk)
+        assert [len(c) for c in chunks] == [1, 1, 10]
+        assert [t for c in chunks for t in c] == eager and len(eager) == 12
+        assert decode.allocator.num_free_blocks == decode.allocator.num_blocks
+    finally:
+        await decode.close()

@@ -10,6 +10,7 @@ coordinator learns the same through leases and heartbeats).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable
 from typing import Protocol
@@ -50,7 +51,7 @@ class TicketReports:
 
     def __init__(self) -> None:
         self._chains: dict[FencingToken, asyncio.Future[None]] = {}
-        self._pending: set[asyncio.Future[None]] = set()
+        self._pending: dict[asyncio.Future[None], Awaitable[None]] = {}
 
     def send(self, token: FencingToken, call: Awaitable[None]) -> None:
         """Run ``call`` after every call sent for ``token`` before it has ended."""
@@ -66,10 +67,10 @@ class TicketReports:
 
         future = asyncio.ensure_future(chained())
         self._chains[token] = future
-        self._pending.add(future)
+        self._pending[future] = call
 
         def done(finished: asyncio.Future[None]) -> None:
-            self._pending.discard(finished)
+            self._pending.pop(finished, None)
             if self._chains.get(token) is finished:
                 del self._chains[token]
 
@@ -77,7 +78,10 @@ class TicketReports:
 
     async def close(self) -> None:
         """Cancel every call not yet made (the worker is going away)."""
-        pending = list(self._pending)
-        for future in pending:
+        pending = list(self._pending.items())
+        for future, _ in pending:
             future.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*(future for future, _ in pending), return_exceptions=True)
+        for _, call in pending:  # a call cancelled before it started is closed, not leaked
+            if inspect.iscoroutine(call):
+                call.close()

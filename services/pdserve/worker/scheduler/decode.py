@@ -162,13 +162,23 @@ class DecodeScheduler(EngineScheduler):
             slot.sequence, slot.tokens = sequence, asyncio.Queue()
             self._running.append(slot)
             self._batch_wakeup.set()
+            tokens = slot.tokens
             while True:
-                new_token = await slot.tokens.get()
+                new_token = await tokens.get()
+                # Tokens made while the previous chunk was being sent (a consumer slower than
+                # the engine) go out together: one message, not one per step.
+                chunk: list[int] = []
+                while new_token is not None:
+                    chunk.append(new_token)
+                    if tokens.empty():
+                        break
+                    new_token = tokens.get_nowait()
+                if chunk:
+                    yield DecodeChunk(chunk)
                 if new_token is None:
                     if slot.aborted:
                         raise StaleTokenError(f"ticket {slot.token} was dropped: {slot.aborted}")
                     return
-                yield DecodeChunk([new_token])
         finally:
             if checksum_block_ids:  # closed at the first token
                 self._record_checksum(slot.token, checksum_block_ids, slot.transfer)
