@@ -11,6 +11,7 @@ first tokens going on, token for token, on another decode worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -22,7 +23,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 from e2e.conftest import ServiceProcess
-from e2e.faults import MODEL, wait_router_sees
+from e2e.faults import MODEL, list_workers, ready_counts, wait_router_sees
 from helpers.requirements import require_nixl
 from stack_support import (
     AFTER_SEED,
@@ -162,18 +163,54 @@ async def test_a_stream_whose_decode_worker_dies_goes_on_token_exact_on_another(
     (``--test-decode-step-pause-s``): vLLM's decode of the tiny model on one thread outruns any
     client, so without the pause whether the kill lands before the stream's end would be timing
     luck; with it, the client acts on its k-th output long before the next is sent. One worker
-    per kill, and one left to serve. Last in the module: it stops the module's decode worker."""
-    pause = ("--test-decode-step-pause-s", str(OUTPUT_PAUSE_S))
-    replacements = [nixl_stack.stack.start_worker("decode", f"vllm-decode-{i}", extra_args=pause)
-                    for i in range(2, 3 + len(KILL_AFTER_OUTPUTS))]
-    processes.extend(replacements)
+    per kill, and one left to serve, started one at a time. Last in the module: it stops the
+    module's decode worker first."""
     await asyncio.to_thread(nixl_stack.decode.stop)
+    replacements = await asyncio.to_thread(
+        _start_decode_workers, nixl_stack, processes, 1 + len(KILL_AFTER_OUTPUTS),
+        ("--test-decode-step-pause-s", str(OUTPUT_PAUSE_S)))
     num_decode = len(replacements)
     for num_outputs in KILL_AFTER_OUTPUTS:
         await asyncio.to_thread(wait_router_sees, nixl_stack.stack.routers[0], 2, num_decode,
                                 WORKER_START_S)
         await _check_failover_after(nixl_stack, replacements, num_outputs)
         num_decode -= 1
+
+
+def _start_decode_workers(stack: VllmStack, processes: list[ServiceProcess], count: int,
+                          extra_args: tuple[str, ...]) -> list[ServiceProcess]:
+    """``count`` decode workers, started one at a time: each is READY in the router's view
+    before the next starts (engines loading side by side on two cores slowed each other past
+    ``WORKER_START_S`` once in CI, which said only that one never became ready). Fails at once,
+    with the worker's own output, if it exits or its engine turns FAILED."""
+    decode_pool = stack.stack.pool_address("decode")
+    router = stack.stack.routers[0]
+
+    def failed_ids() -> set[str]:
+        return {w.worker_id for w in list_workers(decode_pool)
+                if w.role == pb.WORKER_ROLE_DECODE and w.state == pb.WORKER_STATE_FAILED}
+
+    started: list[ServiceProcess] = []
+    for i in range(count):
+        failed_before = failed_ids()
+        process = stack.stack.start_worker("decode", f"vllm-decode-{i + 2}",
+                                           extra_args=extra_args)
+        processes.append(process)
+        started.append(process)
+        deadline = time.monotonic() + WORKER_START_S
+        while True:
+            with contextlib.suppress(grpc.RpcError):
+                if ready_counts(router.grpc_address) == (2, i + 1):
+                    break
+            assert process.returncode is None, f"exited while loading\n{process.describe()}"
+            newly_failed = failed_ids() - failed_before
+            assert not newly_failed, (f"{process.name} turned FAILED ({newly_failed})\n"
+                                      f"{process.describe()}")
+            assert time.monotonic() < deadline, (
+                f"{process.name} not READY in the router's view within {WORKER_START_S:.0f}s "
+                f"(it sees {ready_counts(router.grpc_address)})\n{process.describe()}")
+            time.sleep(0.5)
+    return started
 
 
 async def _check_failover_after(stack: VllmStack, decode_processes: list[ServiceProcess],
