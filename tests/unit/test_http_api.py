@@ -205,6 +205,26 @@ async def test_completion_streaming(include_usage: bool) -> None:
         assert usage_chunks == [] and all("usage" not in c for c in chunks)
 
 
+async def test_a_stream_ends_in_one_http_chunk_with_its_finishing_chunk_usage_and_done() -> None:
+    """The finishing chunk, the usage event and ``[DONE]`` leave in one write with the chunked
+    body's terminator (aiohttp's ``iter_chunks`` yields one item per HTTP chunk); the text
+    chunks before them each leave as soon as they are made."""
+    backend = FakeBackend(tokens_per_chunk=3)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with serve(backend) as (session, base):
+        async with session.post(f"{base}/v1/completions", data=json.dumps(body)) as response:
+            http_chunks = [data async for data, _ in response.content.iter_chunks()]
+    events = [sse_events(chunk.decode()) for chunk in http_chunks if chunk]
+    *texts, last = events
+    assert [len(e) for e in texts] == [1, 1, 1]
+    assert all(e[0]["choices"][0]["finish_reason"] is None for e in texts)
+    finishing, usage, done = last
+    assert finishing["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    assert done == "[DONE]"
+
+
 @pytest.mark.parametrize("prompt", [[5, 6, 7, 256], [[5, 6, 7, 256]], ["\x05\x06\x07<|bos|>"]])
 async def test_prompt_forms_give_the_same_token_ids(prompt: Any) -> None:
     backend = FakeBackend()

@@ -220,6 +220,9 @@ class _OpenAiHandlers:
         await response.prepare(request)
         chunk_envelope = envelope(parsed, int(self._clock()), is_chunk=True)
         usage_field = {"usage": None} if parsed.is_usage_streamed else {}
+        # The last events (the finishing chunk, usage, an error, [DONE]) leave with the stream's
+        # end in one write: nothing follows them, so holding them back delays nothing.
+        tail: list[bytes] = []
         try:
             is_first = parsed.is_chat
             async with aclosing(run.steps()) as steps:
@@ -229,14 +232,14 @@ class _OpenAiHandlers:
                     choice = choice_object(
                         parsed, step.text, step.finish_reason, is_chunk=True, is_first=is_first
                     )
-                    await response.write(
-                        sse_event({**chunk_envelope, "choices": [choice], **usage_field})
-                    )
+                    event = sse_event({**chunk_envelope, "choices": [choice], **usage_field})
+                    if step.finish_reason:
+                        tail.append(event)
+                    else:
+                        await response.write(event)
                     is_first = False
             if parsed.is_usage_streamed:
-                await response.write(
-                    sse_event({**chunk_envelope, "choices": [], "usage": run.usage()})
-                )
+                tail.append(sse_event({**chunk_envelope, "choices": [], "usage": run.usage()}))
         except ConnectionResetError:
             logger.info("request %s: client went away during the stream", request_id)
             return response
@@ -244,13 +247,10 @@ class _OpenAiHandlers:
             api_error = error_for(error, request_id)
             if request_id not in api_error.message:  # the client may resubmit by it
                 api_error.message = f"request {request_id}: {api_error.message}"
-            try:
-                await response.write(sse_event(api_error.body()))
-            except ConnectionResetError:
-                return response
+            tail.append(sse_event(api_error.body()))
+        tail.append(SSE_DONE)
         try:
-            await response.write(SSE_DONE)
-            await response.write_eof()
+            await response.write_eof(b"".join(tail))
         except ConnectionResetError:
             logger.info("request %s: client went away at the end of the stream", request_id)
         return response
