@@ -202,19 +202,23 @@ class HpaLike:
 
 class PerfectForesight:
     """The oracle: sizes each interval for the highest exact rate of the coming interval, with
-    the sizing arithmetic ``ours`` uses and the trace's mean lengths (run with instant starts)."""
+    the sizing arithmetic ``ours`` uses and the trace's length moments (run with instant
+    starts)."""
 
     def __init__(self, demand: DayDemand, profile: InstanceProfile, sizing: SizingConfig,
-                 mean_prompt_tokens: float, mean_output_tokens: float) -> None:
+                 mean_prompt_tokens: float, mean_output_tokens: float,
+                 mean_squared_prompt_tokens: float) -> None:
         self.demand, self.profile, self.sizing = demand, profile, sizing
         self.prompt, self.output = mean_prompt_tokens, mean_output_tokens
+        self.prompt_squared = mean_squared_prompt_tokens
 
     def needs(self, start_s: float, end_s: float) -> tuple[int, int]:
         """Instances for the highest rate in ``[start_s, end_s]`` (sampled every 10 s)."""
         times = np.append(np.arange(start_s, end_s, 10.0), end_s)
         rate = float(np.max(self.demand.rate_per_s(times)))
         sizing = size_pools(self.profile, self.sizing,
-                            SizingDemand(rate, self.prompt, self.output))
+                            SizingDemand(rate, self.prompt, self.output,
+                                         mean_squared_prompt_tokens=self.prompt_squared))
         return max(1, instances_for(sizing.num_prefill)), max(1, instances_for(sizing.num_decode))
 
     def decide(self, observation: ScalingObservation) -> ScalingDecision:
@@ -240,7 +244,8 @@ def run_policy(name: str, setup: Setup) -> dict[str, Any]:
     profile = profile_for(setup, cluster)
     sizing = SizingConfig(tpot_slo_s=setup.tpot_ms / 1000.0)
     prompt, output = float(trace.prompt_tokens.mean()), float(trace.output_tokens.mean())
-    oracle = PerfectForesight(demand, profile, sizing, prompt, output)
+    prompt_squared = float(np.mean(np.square(trace.prompt_tokens, dtype=np.float64)))
+    oracle = PerfectForesight(demand, profile, sizing, prompt, output, prompt_squared)
     start = oracle.needs(0.0, setup.interval_s)
     policy: Any
     cold_start_s = setup.cold_start_s

@@ -395,6 +395,26 @@ def test_prompt_length_moves_prefill_far_more_than_decode() -> None:
     assert b.num_decode / a.num_decode < 0.6 * b.num_prefill / a.num_prefill
 
 
+def test_a_long_tail_of_prompts_at_the_same_mean_adds_prefill_only() -> None:
+    def decide(mean_squared: float) -> ScalingDecision:
+        return Autoscaler(PROFILE).decide(ScalingObservation(
+            now_s=INTERVAL_S, deployment="d", interval_s=INTERVAL_S,
+            arrival_rates_per_s=(40.0,), mean_prompt_tokens=4 * PROMPT,
+            mean_output_tokens=OUTPUT, mean_squared_prompt_tokens=mean_squared,
+            prefill=FluidPool(num_ready=8).observe(), decode=FluidPool(num_ready=8).observe(),
+            cold_start_s=COLD_START_S))
+
+    unknown, uniform, tail = decide(0.0), decide((4 * PROMPT) ** 2), decide(6 * (4 * PROMPT) ** 2)
+    assert (uniform.num_prefill, uniform.num_decode) == (unknown.num_prefill, unknown.num_decode)
+    assert tail.num_prefill > uniform.num_prefill
+    assert tail.num_decode == uniform.num_decode
+    assert tail.inputs["mean_squared_prompt_tokens"] == 6 * (4 * PROMPT) ** 2
+    # The per-instance rate is the mean prefill time's, from the two moments.
+    seconds = PROFILE.prefill_perf.mean_prefill_time_s(4 * PROMPT, 6 * (4 * PROMPT) ** 2)
+    assert tail.inputs["prefill_rate_per_instance"] == pytest.approx(
+        SIZING.prefill_target_utilization / seconds)
+
+
 def test_output_length_change_midway_scales_decode_alone() -> None:
     run = drive(Autoscaler(PROFILE), lambda t: 20.0, 120,
                 output_at=lambda t: OUTPUT if t < 60 * 60 else 2.5 * OUTPUT)

@@ -64,6 +64,29 @@ def test_attention_makes_one_long_prompt_dearer_than_many_short_ones() -> None:
     assert perf.prefill_time_s([32768]) > perf.prefill_time_s([512] * 64)
 
 
+def test_mean_prefill_time_from_two_moments_is_the_mean_over_the_prompts() -> None:
+    perf = perf_model_for("llama-3.1-70b", "h100", 4)
+    rng = np.random.default_rng(3)
+    prompts = np.clip(rng.lognormal(np.log(4000), 1.0, 2000), 600, 60_000).astype(int)
+    eff = perf.efficiency
+
+    def is_compute_bound(prompt: int) -> bool:
+        work = perf.prefill_work([prompt])
+        return (work.flops / (perf.peak_flops_per_s * eff.prefill_mfu)
+                > work.memory_bytes / (perf.gpu.hbm_bytes_per_s * eff.mbu))
+    assert all(is_compute_bound(int(p)) for p in prompts)  # where the two moments are exact
+    exact = float(np.mean([perf.prefill_time_s([int(p)]) for p in prompts]))
+    mean, mean_squared = float(prompts.mean()), float(np.mean(prompts.astype(float) ** 2))
+    assert perf.mean_prefill_time_s(mean, mean_squared) == pytest.approx(exact, rel=1e-9)
+    # The mean prompt alone is well under it: the tail's attention is what it misses.
+    assert perf.prefill_time_s([round(mean)]) < 0.97 * exact
+    # No mean square (or one below the mean's square, impossible): a prompt of the mean length.
+    assert perf.mean_prefill_time_s(mean) == pytest.approx(perf.mean_prefill_time_s(mean, 1.0))
+    assert perf.mean_prefill_time_s(mean) == pytest.approx(perf.prefill_time_s([round(mean)]),
+                                                          rel=1e-3)
+    assert perf.mean_prefill_time_s(0.0, 5.0) == 0.0
+
+
 def test_decode_is_memory_bound_at_batch_one_and_tp_shortens_it() -> None:
     model, gpu = get_model("llama-3.1-70b"), get_gpu("h100")
     times = [PerfModel(model, gpu, tp).decode_step_time_s(1, 1000) for tp in (1, 2, 4, 8)]

@@ -112,6 +112,7 @@ class Autoscaler:
             num_queued_decode_seqs=(observation.decode.num_queued_tokens
                                     / max(1.0, mean_prompt_tokens)),
             backlog_horizon_s=forecast.lead_s,
+            mean_squared_prompt_tokens=self._forecaster.mean_squared_prompt_tokens,
         )
         sizing = size_pools(self.profile, self.config.sizing, demand)
         now_s = observation.now_s
@@ -255,6 +256,7 @@ class Autoscaler:
             "observed_rate_per_s": (observation.arrival_rates_per_s[-1]
                                     if observation.arrival_rates_per_s else 0.0),
             "mean_prompt_tokens": demand.mean_prompt_tokens,
+            "mean_squared_prompt_tokens": demand.mean_squared_prompt_tokens,
             "mean_output_tokens": demand.mean_output_tokens,
             "interval_s": observation.interval_s,
             "cold_start_s": observation.cold_start_s,

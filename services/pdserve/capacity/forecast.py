@@ -122,6 +122,8 @@ class DemandForecaster:
         """Mean prompt length of the latest interval that had arrivals (0 before any)."""
         self.mean_output_tokens = 0.0
         """Mean output length of the latest interval that had arrivals (0 before any)."""
+        self.mean_squared_prompt_tokens = 0.0
+        """Mean squared prompt length of that interval (0 before any, or when not observed)."""
 
     def observe(self, observation: ScalingObservation) -> None:
         """Learn the intervals ``observation`` adds to what was seen (none if it repeats the
@@ -140,6 +142,7 @@ class DemandForecaster:
             self._last_now_s = observation.now_s
         if observation.mean_prompt_tokens > 0:
             self.mean_prompt_tokens = observation.mean_prompt_tokens
+            self.mean_squared_prompt_tokens = observation.mean_squared_prompt_tokens
         if observation.mean_output_tokens > 0:
             self.mean_output_tokens = observation.mean_output_tokens
 

@@ -45,6 +45,9 @@ class ScalingObservation:
     """Time from launching an instance to it serving (the look-ahead the policy needs)."""
     slo_attainment: float = 1.0
     """Fraction of requests finished in the last interval that met both SLOs."""
+    mean_squared_prompt_tokens: float = 0.0
+    """Mean of the squared prompt lengths over the same requests as ``mean_prompt_tokens`` (0:
+    unknown; sizing then assumes no spread)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,6 +189,12 @@ class DemandSample:
     prompt_tokens: tuple[int, ...] = ()
     """The prompt length of each request counted."""
 
+    @property
+    def mean_squared_prompt_tokens(self) -> float:
+        """Mean of the squared prompt lengths (0 when nothing was counted)."""
+        prompts = self.prompt_tokens
+        return sum(p * p for p in prompts) / len(prompts) if prompts else 0.0
+
 
 def demand_in_window(tickets: Sequence[Ticket], deployment: str, start_s: float, end_s: float,
                      already_counted: set[str]) -> tuple[DemandSample, set[str]]:
@@ -263,6 +269,7 @@ class _Deployment:
     last_observed_s: float | None = None
     counted_ids: set[str] = field(default_factory=set)
     mean_prompt_tokens: float = 0.0
+    mean_squared_prompt_tokens: float = 0.0
     mean_output_tokens: float = 0.0
     latest: ScalingDecision | None = None
     latest_at_s: float = 0.0
@@ -518,6 +525,7 @@ class CapacityGovernor:
         state.rates.append(rate)
         if sample.mean_prompt_tokens is not None:
             state.mean_prompt_tokens = sample.mean_prompt_tokens
+            state.mean_squared_prompt_tokens = sample.mean_squared_prompt_tokens
         records = await self._backend.workers.list(spec.name)
         prefill = observe_pool(records, WorkerRole.PREFILL)
         decode = observe_pool(records, WorkerRole.DECODE)
@@ -532,6 +540,7 @@ class CapacityGovernor:
             now_s=now_s, deployment=spec.name, interval_s=config.interval_s,
             arrival_rates_per_s=tuple(state.rates),
             mean_prompt_tokens=state.mean_prompt_tokens,
+            mean_squared_prompt_tokens=state.mean_squared_prompt_tokens,
             mean_output_tokens=state.mean_output_tokens,
             prefill=prefill, decode=decode, cold_start_s=spec.cold_start_s,
             slo_attainment=await self._slo_attainment(spec.name),

@@ -171,6 +171,22 @@ class PerfModel:
         for length in prompt_lens:
             num_tokens += length
             sum_squares += length * length
+        return self._prefill_time_s(num_tokens, sum_squares)
+
+    def mean_prefill_time_s(self, mean_tokens: float, mean_squared_tokens: float = 0.0) -> float:
+        """Mean seconds to prefill one prompt alone, over prompts whose lengths have mean
+        ``mean_tokens`` and mean square ``mean_squared_tokens`` (at least ``mean_tokens ** 2``;
+        0 or less: the mean's square, i.e. every prompt of the mean length).
+
+        Attention is quadratic in the prompt, so with spread lengths this is more than the time
+        of a prompt of the mean length. It is exact where every prompt is on the same side of
+        the roofline (long prompts: compute-bound) and a lower bound otherwise (the roofline's
+        ``max`` is convex)."""
+        if mean_tokens <= 0:
+            return 0.0
+        return self._prefill_time_s(mean_tokens, max(mean_squared_tokens, mean_tokens ** 2))
+
+    def _prefill_time_s(self, num_tokens: float, sum_squares: float) -> float:
         if num_tokens <= 0:
             return 0.0
         flops = self._flops_per_token * num_tokens + self._attn_flops_per_token_pair * sum_squares

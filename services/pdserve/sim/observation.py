@@ -15,16 +15,18 @@ class ScalingWindow:
     (``config.scaling_history`` intervals)."""
 
     __slots__ = ("_config", "_last_means", "_rates", "_tpot_limit_s", "_ttft_limit_s",
-                 "num_arrivals", "num_done", "num_met", "output_tokens", "prompt_tokens")
+                 "num_arrivals", "num_done", "num_met", "output_tokens", "prompt_tokens",
+                 "prompt_tokens_squared")
 
     def __init__(self, config: SimConfig) -> None:
         self._config = config
         self._ttft_limit_s = config.slo.ttft_ms / 1000.0
         self._tpot_limit_s = config.slo.tpot_ms / 1000.0
         self._rates: list[float] = []
-        self._last_means = (0.0, 0.0)
+        self._last_means = (0.0, 0.0, 0.0)  # prompt, output, squared prompt
         self.num_arrivals = 0
         self.prompt_tokens = 0
+        self.prompt_tokens_squared = 0
         self.output_tokens = 0
         self.num_done = 0
         self.num_met = 0
@@ -32,6 +34,7 @@ class ScalingWindow:
     def arrived(self, req: SimRequest) -> None:
         self.num_arrivals += 1
         self.prompt_tokens += req.prompt
+        self.prompt_tokens_squared += req.prompt * req.prompt
         self.output_tokens += req.output
 
     def completed(self, ttft_s: float, tpot_s: float) -> None:
@@ -57,7 +60,8 @@ class ScalingWindow:
             del rates[: len(rates) - config.scaling_history]
         if self.num_arrivals:
             self._last_means = (self.prompt_tokens / self.num_arrivals,
-                                self.output_tokens / self.num_arrivals)
+                                self.output_tokens / self.num_arrivals,
+                                self.prompt_tokens_squared / self.num_arrivals)
         observation = ScalingObservation(
             now_s=now, deployment=config.deployment, interval_s=interval,
             arrival_rates_per_s=tuple(rates),
@@ -70,8 +74,10 @@ class ScalingWindow:
                 utilization=usage.decode_utilization(), num_queued_tokens=queued[1]),
             cold_start_s=config.cold_start_s,
             slo_attainment=self.num_met / self.num_done if self.num_done else 1.0,
+            mean_squared_prompt_tokens=self._last_means[2],
         )
         self.num_arrivals = self.prompt_tokens = self.output_tokens = 0
+        self.prompt_tokens_squared = 0
         self.num_done = self.num_met = 0
         usage.reset_window()
         return observation
