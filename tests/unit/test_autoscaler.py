@@ -11,7 +11,7 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -21,9 +21,14 @@ from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls, Pool
 from pdserve.capacity.forecast import HoltForecaster
 from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
 from pdserve.capacity.sizing import (
+    DecodeLimit,
     InstanceProfile,
+    LengthMoments,
     SizingConfig,
     SizingDemand,
+    decode_batch_limit,
+    decode_kv_blocks_held,
+    decode_rate_per_instance,
     instances_for,
     size_pools,
 )
@@ -432,3 +437,90 @@ def test_size_pools_is_monotone_in_rate() -> None:
                                                   num_queued_prefill_tokens=200_000))
     assert backlog.num_prefill > needs[2].num_prefill
     assert backlog.num_decode == needs[2].num_decode
+
+
+def _grid_moments(prompts: list[int], outputs: list[int]) -> tuple[list[tuple[int, int]],
+                                                                    LengthMoments]:
+    """Every (prompt, output) pair of the two lists (so the lengths are exactly independent)
+    and their moments."""
+    pairs = list(itertools.product(prompts, outputs))
+
+    def mean(values: Iterable[float]) -> float:
+        values = list(values)
+        return sum(values) / len(values)
+
+    moments = LengthMoments.of(
+        mean(p for p, _ in pairs), mean(o for _, o in pairs), mean(p * p for p, _ in pairs),
+        mean(p ** 3 for p, _ in pairs), mean(o * o for _, o in pairs),
+        mean(p * o for p, o in pairs))
+    return pairs, moments
+
+
+def test_decode_kv_held_is_the_rate_times_each_requests_block_seconds() -> None:
+    # Long prompts (compute-bound prefill, where the moments are exact), spread outputs.
+    rng = random.Random(5)
+    prompts = [int(min(80_000, max(2_000, rng.lognormvariate(math.log(9_000), 0.9))))
+               for _ in range(40)]
+    outputs = [int(min(2_000, max(8, rng.lognormvariate(math.log(250), 0.8)))) for _ in range(30)]
+    pairs, moments = _grid_moments(prompts, outputs)
+    batch, block = 24, PROFILE.block_size_tokens
+    step_s = PROFILE.decode_perf.decode_step_time_s(
+        batch, math.ceil(batch * moments.running_context_tokens))
+    rate = batch / (moments.output * step_s)
+    # Each request holds (prompt + output) tokens' blocks, the last one half used on average,
+    # from routing (its prompt prefilled alone) to its last token (output steps).
+    block_seconds = sum(((p + o) / block + 0.5)
+                        * (PROFILE.prefill_perf.prefill_time_s([p]) + o * step_s)
+                        for p, o in pairs) / len(pairs)
+    held = decode_kv_blocks_held(PROFILE, SIZING, batch, moments)
+    assert held == pytest.approx(rate * block_seconds, rel=1e-9)
+    # Counting only the running batch at the mean reservation misses a good part of it.
+    means_only = batch * math.ceil((moments.prompt + moments.output) / block)
+    assert held > 1.15 * means_only
+    assert decode_kv_blocks_held(PROFILE, SIZING, 0, moments) == 0.0
+
+
+def test_kv_bound_decode_sizing_counts_long_prompts_held_through_prefill() -> None:
+    prompts = [3_000, 6_000, 12_000, 24_000, 60_000]
+    _, spread = _grid_moments(prompts, [100, 200, 400, 800])
+    same_means = LengthMoments.of(spread.prompt, spread.output)
+    batch, limit = decode_batch_limit(PROFILE, SIZING, spread.prompt, spread.output, spread)
+    assert limit is DecodeLimit.KV
+    # The batch is the largest whose blocks held fit: one more does not.
+    assert decode_kv_blocks_held(PROFILE, SIZING, batch, spread) <= PROFILE.decode_num_blocks
+    assert decode_kv_blocks_held(PROFILE, SIZING, batch + 1, spread) > PROFILE.decode_num_blocks
+    spread_rate, _, _ = decode_rate_per_instance(PROFILE, SIZING, spread.prompt, spread.output,
+                                                 spread)
+    mean_rate, _, _ = decode_rate_per_instance(PROFILE, SIZING, spread.prompt, spread.output,
+                                               same_means)
+    assert spread_rate < 0.9 * mean_rate
+    # size_pools reads the moments off the demand; with none it takes the means alone.
+    demand = SizingDemand(10.0, spread.prompt, spread.output,
+                          mean_squared_prompt_tokens=spread.prompt_squared,
+                          mean_cubed_prompt_tokens=spread.prompt_cubed,
+                          mean_squared_output_tokens=spread.output_squared,
+                          mean_prompt_output_tokens=spread.prompt_output)
+    assert size_pools(PROFILE, SIZING, demand).decode_rate_per_instance == spread_rate
+    assert size_pools(PROFILE, SIZING, SizingDemand(10.0, spread.prompt, spread.output)
+                      ).decode_rate_per_instance == mean_rate
+
+
+def test_the_autoscaler_sizes_decode_from_the_observed_moments() -> None:
+    _, spread = _grid_moments([3_000, 6_000, 12_000, 24_000, 60_000], [100, 200, 400, 800])
+
+    def decide(**moments: float) -> ScalingDecision:
+        return Autoscaler(PROFILE).decide(ScalingObservation(
+            now_s=INTERVAL_S, deployment="d", interval_s=INTERVAL_S,
+            arrival_rates_per_s=(20.0,), mean_prompt_tokens=spread.prompt,
+            mean_output_tokens=spread.output, prefill=FluidPool(num_ready=40).observe(),
+            decode=FluidPool(num_ready=10).observe(), cold_start_s=COLD_START_S, **moments))
+
+    means = decide()
+    seen = decide(mean_squared_prompt_tokens=spread.prompt_squared,
+                  mean_cubed_prompt_tokens=spread.prompt_cubed,
+                  mean_squared_output_tokens=spread.output_squared,
+                  mean_prompt_output_tokens=spread.prompt_output)
+    assert seen.num_decode > means.num_decode
+    assert seen.inputs["mean_cubed_prompt_tokens"] == spread.prompt_cubed
+    assert seen.inputs["mean_squared_output_tokens"] == spread.output_squared
+    assert seen.inputs["mean_prompt_output_tokens"] == spread.prompt_output

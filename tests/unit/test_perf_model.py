@@ -85,6 +85,18 @@ def test_mean_prefill_time_from_two_moments_is_the_mean_over_the_prompts() -> No
     assert perf.mean_prefill_time_s(mean) == pytest.approx(perf.prefill_time_s([round(mean)]),
                                                           rel=1e-3)
     assert perf.mean_prefill_time_s(0.0, 5.0) == 0.0
+    # Weighted by the prompt's length (the KV a prompt holds while it is prefilled), from three.
+    as_float = prompts.astype(float)
+    weighted = float(np.mean([p * perf.prefill_time_s([int(p)]) for p in prompts]) / mean)
+    cubed = float(np.mean(as_float ** 3))
+    assert perf.token_weighted_prefill_time_s(mean, mean_squared, cubed) == pytest.approx(
+        weighted, rel=1e-9)
+    assert weighted > 1.2 * exact  # long prompts take longer and hold more
+    # Without a third moment: the least the first two allow, so never above the exact value.
+    assert perf.token_weighted_prefill_time_s(mean, mean_squared) < weighted
+    assert perf.token_weighted_prefill_time_s(mean) == pytest.approx(
+        perf.mean_prefill_time_s(mean), rel=1e-12)
+    assert perf.token_weighted_prefill_time_s(0.0, 1.0, 1.0) == 0.0
 
 
 def test_decode_is_memory_bound_at_batch_one_and_tp_shortens_it() -> None:

@@ -113,6 +113,9 @@ class Autoscaler:
                                     / max(1.0, mean_prompt_tokens)),
             backlog_horizon_s=forecast.lead_s,
             mean_squared_prompt_tokens=self._forecaster.mean_squared_prompt_tokens,
+            mean_cubed_prompt_tokens=self._forecaster.mean_cubed_prompt_tokens,
+            mean_squared_output_tokens=self._forecaster.mean_squared_output_tokens,
+            mean_prompt_output_tokens=self._forecaster.mean_prompt_output_tokens,
         )
         sizing = size_pools(self.profile, self.config.sizing, demand)
         now_s = observation.now_s
@@ -257,6 +260,9 @@ class Autoscaler:
                                     if observation.arrival_rates_per_s else 0.0),
             "mean_prompt_tokens": demand.mean_prompt_tokens,
             "mean_squared_prompt_tokens": demand.mean_squared_prompt_tokens,
+            "mean_cubed_prompt_tokens": demand.mean_cubed_prompt_tokens,
+            "mean_squared_output_tokens": demand.mean_squared_output_tokens,
+            "mean_prompt_output_tokens": demand.mean_prompt_output_tokens,
             "mean_output_tokens": demand.mean_output_tokens,
             "interval_s": observation.interval_s,
             "cold_start_s": observation.cold_start_s,

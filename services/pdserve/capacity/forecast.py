@@ -124,6 +124,10 @@ class DemandForecaster:
         """Mean output length of the latest interval that had arrivals (0 before any)."""
         self.mean_squared_prompt_tokens = 0.0
         """Mean squared prompt length of that interval (0 before any, or when not observed)."""
+        self.mean_cubed_prompt_tokens = 0.0
+        self.mean_squared_output_tokens = 0.0
+        self.mean_prompt_output_tokens = 0.0
+        """The other moments of that interval (0 before any, or when not observed)."""
 
     def observe(self, observation: ScalingObservation) -> None:
         """Learn the intervals ``observation`` adds to what was seen (none if it repeats the
@@ -143,8 +147,11 @@ class DemandForecaster:
         if observation.mean_prompt_tokens > 0:
             self.mean_prompt_tokens = observation.mean_prompt_tokens
             self.mean_squared_prompt_tokens = observation.mean_squared_prompt_tokens
+            self.mean_cubed_prompt_tokens = observation.mean_cubed_prompt_tokens
         if observation.mean_output_tokens > 0:
             self.mean_output_tokens = observation.mean_output_tokens
+            self.mean_squared_output_tokens = observation.mean_squared_output_tokens
+            self.mean_prompt_output_tokens = observation.mean_prompt_output_tokens
 
     def _learn(self, rate: float) -> None:
         self._recent.append(rate)

@@ -48,6 +48,13 @@ class ScalingObservation:
     mean_squared_prompt_tokens: float = 0.0
     """Mean of the squared prompt lengths over the same requests as ``mean_prompt_tokens`` (0:
     unknown; sizing then assumes no spread)."""
+    mean_cubed_prompt_tokens: float = 0.0
+    """Mean of the cubed prompt lengths, the same requests (0: unknown; the least spread the
+    first two moments allow)."""
+    mean_squared_output_tokens: float = 0.0
+    """Mean of the squared output lengths, the same requests (0: unknown; no spread)."""
+    mean_prompt_output_tokens: float = 0.0
+    """Mean of prompt x output length, the same requests (0: unknown; independent)."""
 
 
 @dataclass(frozen=True, slots=True)

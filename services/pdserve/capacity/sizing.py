@@ -5,13 +5,17 @@ capacity and performance models (``size_pools``; the autoscaler, its oracle in
 Prefill is compute: one instance prefills ``speedup / E[prefill_time_s(prompt)]`` requests per
 second, sized at ``prefill_target_utilization`` (TTFT includes queue wait); the mean time comes
 from the mean and mean square of the prompt lengths, as attention is quadratic in the prompt.
-Decode is KV memory and batch: an instance runs at most ``min(max_batch_size, KV blocks / blocks
-per sequence, largest batch whose step time meets the TPOT SLO)`` sequences, each for ``mean_output
-x step_time`` seconds; sized at ``decode_target_utilization`` of the throughput that batch delivers
-(see ``decode_rate_per_instance`` for why throughput, not batch). Backlog (queued prompt tokens,
-sequences waiting for KV room) is added as the rate that clears it within the backlog horizon. The
-two pools are sized from different quantities (prompt length for prefill; output length, context
-and KV for decode), so they scale independently.
+Decode is KV memory and batch: an instance runs at most ``min(max_batch_size, the batch its KV
+blocks hold, largest batch whose step time meets the TPOT SLO)`` sequences, each for ``output x
+step_time`` seconds; sized at ``decode_target_utilization`` of the throughput that batch delivers
+(see ``decode_rate_per_instance`` for why throughput, not batch). A request's blocks are reserved
+on its decode instance when it is routed, before its prompt is prefilled, and held until its last
+token, so the KV an instance needs is its rate times the mean block-seconds per request
+(``decode_kv_blocks_held``): long prompts hold more blocks for longer, and long outputs stay in
+the batch longer, so the length moments (``LengthMoments``) enter, not only the means. Backlog
+(queued prompt tokens, sequences waiting for KV room) is added as the rate that clears it within
+the backlog horizon. The two pools are sized from different quantities (prompt length for
+prefill; output length, context and KV for decode), so they scale independently.
 
 Only moments enter here: the SLO planner (``planner``) sizes from a whole length distribution
 with queueing; this is the cheap form a scaling decision can afford every interval.
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.perf.catalog import get_gpu, get_model
-from pdserve.perf.kv_budget import CapacityConfig, blocks_per_request, capacity_report
+from pdserve.perf.kv_budget import CapacityConfig, capacity_report
 from pdserve.perf.perf_model import PerfModel, perf_model_for
 
 _EPSILON = 1e-9
@@ -150,6 +154,55 @@ class SizingDemand:
     Prefill time grows with it: on traces with a long tail of prompts the mean time is well
     above the time of the mean prompt (the Mooncake conversation trace, Llama-3.1-70B at TP4 on
     H100: 1.12x)."""
+    mean_cubed_prompt_tokens: float = 0.0
+    """Mean of the cubed prompt lengths (0: unknown, taken as the least the first two moments
+    allow). The decode KV a prompt holds while it is prefilled grows with it."""
+    mean_squared_output_tokens: float = 0.0
+    """Mean of the squared output lengths (0: unknown, taken as the mean's square)."""
+    mean_prompt_output_tokens: float = 0.0
+    """Mean of prompt length x output length (0: unknown, taken as independent)."""
+
+    def moments(self) -> LengthMoments:
+        return LengthMoments.of(self.mean_prompt_tokens, self.mean_output_tokens,
+                                self.mean_squared_prompt_tokens, self.mean_cubed_prompt_tokens,
+                                self.mean_squared_output_tokens, self.mean_prompt_output_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class LengthMoments:
+    """The moments of prompt (P) and output (O) lengths that decode sizing reads, each at least
+    its floor: ``E[P^2] >= E[P]^2``, ``E[P^3] >= E[P^2]^2 / E[P]`` (Cauchy-Schwarz),
+    ``E[O^2] >= E[O]^2``; an unknown ``E[PO]`` (0) is ``E[P] E[O]`` (independent lengths). With
+    only the means (``of(prompt, output)``) every request is taken to have the mean lengths.
+
+    On the four public traces in the repository's data, ``E[PO] / (E[P] E[O])`` is 0.46-1.07
+    and ``E[O^2] / E[O]^2`` 1.5-5.6, so neither default is safe to rely on where the moments
+    can be measured."""
+
+    prompt: float
+    output: float
+    prompt_squared: float
+    prompt_cubed: float
+    output_squared: float
+    prompt_output: float
+
+    @classmethod
+    def of(cls, mean_prompt_tokens: float, mean_output_tokens: float,
+           mean_squared_prompt_tokens: float = 0.0, mean_cubed_prompt_tokens: float = 0.0,
+           mean_squared_output_tokens: float = 0.0,
+           mean_prompt_output_tokens: float = 0.0) -> LengthMoments:
+        prompt, output = max(1.0, mean_prompt_tokens), max(1.0, mean_output_tokens)
+        squared = max(mean_squared_prompt_tokens, prompt * prompt)
+        cubed = max(mean_cubed_prompt_tokens, squared * squared / prompt)
+        return cls(prompt, output, squared, cubed, max(mean_squared_output_tokens, output * output),
+                   mean_prompt_output_tokens if mean_prompt_output_tokens > 0 else prompt * output)
+
+    @property
+    def running_context_tokens(self) -> float:
+        """Mean context of a sequence in a decode batch: ``E[O (P + O / 2)] / E[O]`` (a request
+        is in the batch for as many steps as it has output tokens, so long outputs weigh
+        more)."""
+        return (self.prompt_output + self.output_squared / 2.0) / self.output
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,23 +233,64 @@ def prefill_rate_per_instance(profile: InstanceProfile, sizing: SizingConfig,
     return sizing.prefill_target_utilization / seconds
 
 
+def decode_kv_blocks_held(profile: InstanceProfile, sizing: SizingConfig, batch: float,
+                          moments: LengthMoments) -> float:
+    """KV blocks one decode instance holds while it runs ``batch`` sequences (Little's law on
+    the blocks).
+
+    The instance then completes ``rate = batch / (E[O] x step)`` requests per second, and each
+    holds its reservation (``P + kv_growth_fraction x O`` tokens) from routing to its last
+    token: while its prompt is prefilled (``prefill_time(P)``, as the prefill instance runs it
+    alone; queueing there is left out) and for its ``O`` decode steps. Blocks held =
+    ``rate x E[reservation x hold]`` over the lengths' moments: the prefill part weighs long
+    prompts by their length (``PerfModel.token_weighted_prefill_time_s``), the decode part
+    is ``batch`` sequences of ``E[O x reservation] / E[O]`` tokens each, plus half a block each
+    for the partly used last one. Prefill times are in the model's seconds, like the step."""
+    if batch <= 0:
+        return 0.0
+    growth, block = sizing.kv_growth_fraction, profile.block_size_tokens
+    step_s = profile.decode_perf.decode_step_time_s(
+        batch, math.ceil(batch * moments.running_context_tokens))
+    rate = batch / (moments.output * step_s)
+    prefill = profile.prefill_perf
+    weighted_s = prefill.token_weighted_prefill_time_s(
+        moments.prompt, moments.prompt_squared, moments.prompt_cubed)
+    mean_s = prefill.mean_prefill_time_s(moments.prompt, moments.prompt_squared)
+    prefilling_tokens = moments.prompt * weighted_s + growth * moments.output * mean_s
+    running_tokens = (moments.prompt_output + growth * moments.output_squared) / moments.output
+    return (rate * (prefilling_tokens / block + 0.5 * mean_s)
+            + batch * (running_tokens / block + 0.5))
+
+
 def decode_batch_limit(profile: InstanceProfile, sizing: SizingConfig, mean_prompt_tokens: float,
-                       mean_output_tokens: float) -> tuple[int, DecodeLimit]:
+                       mean_output_tokens: float,
+                       moments: LengthMoments | None = None) -> tuple[int, DecodeLimit]:
     """The largest batch one decode instance can run, and what limits it.
 
-    KV: ``num_blocks // blocks per sequence`` with ``prompt + kv_growth_fraction x output``
-    tokens per sequence. TPOT: the largest batch whose step time (sequences at their average
-    context, ``prompt + output / 2``) meets ``tpot_slo_s`` (at least 1: a lone sequence that
-    misses it cannot be helped by more instances).
+    KV: the largest batch whose blocks held (``decode_kv_blocks_held``: the running sequences'
+    and those of the requests still being prefilled for it) fit the instance. TPOT: the largest
+    batch whose step time (sequences at their mean running context) meets ``tpot_slo_s`` (at
+    least 1: a lone sequence that misses it cannot be helped by more instances). ``moments``
+    None: every request of the mean lengths.
     """
+    moments = moments or LengthMoments.of(mean_prompt_tokens, mean_output_tokens)
     perf = profile.decode_perf
-    kv_tokens = mean_prompt_tokens + sizing.kv_growth_fraction * mean_output_tokens
-    kv_blocks = max(1, blocks_per_request(max(1, math.ceil(kv_tokens)), profile.block_size_tokens))
-    kv_batch = max(1, profile.decode_num_blocks // kv_blocks)
-    context = mean_prompt_tokens + mean_output_tokens / 2.0
+    num_blocks = profile.decode_num_blocks
+
+    def fits(batch: int) -> bool:
+        return decode_kv_blocks_held(profile, sizing, batch, moments) <= num_blocks
+
     limit, cap = DecodeLimit.MAX_BATCH, profile.max_batch_size
-    if kv_batch < cap:
-        limit, cap = DecodeLimit.KV, kv_batch
+    if not fits(cap):
+        low, high = 1, cap  # fits(low) may be false; the answer is then 1
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+        limit, cap = DecodeLimit.KV, low
+    context = moments.running_context_tokens
     tpot_s = sizing.tpot_slo_s * profile.speedup  # the model's own seconds
 
     def meets(batch: int) -> bool:
@@ -215,22 +309,25 @@ def decode_batch_limit(profile: InstanceProfile, sizing: SizingConfig, mean_prom
 
 
 def decode_rate_per_instance(profile: InstanceProfile, sizing: SizingConfig,
-                             mean_prompt_tokens: float,
-                             mean_output_tokens: float) -> tuple[float, float, DecodeLimit]:
+                             mean_prompt_tokens: float, mean_output_tokens: float,
+                             moments: LengthMoments | None = None,
+                             ) -> tuple[float, float, DecodeLimit]:
     """Requests per second one decode instance serves at the target utilisation, the batch it
     runs then, and what limits the batch.
 
-    A request holds a batch slot for ``mean_output x step_time(batch)`` seconds, so an instance
-    running ``batch`` sequences completes ``batch / (output x step)`` requests per second
-    (Little's law). The target utilisation applies to that *throughput* at the largest allowed
-    batch, not to the batch: decode steps of large models grow almost linearly with the batch
-    once compute-bound, so a batch at 80% of the TPOT limit can deliver nearly 100% of the
+    A request holds a batch slot for ``output x step_time`` seconds, so an instance running
+    ``batch`` sequences completes ``batch / (E[O] x step)`` requests per second (Little's
+    law). The target utilisation applies to that *throughput* at the largest allowed batch,
+    not to the batch: decode steps of large models grow almost linearly with the batch once
+    compute-bound, so a batch at 80% of the TPOT limit can deliver nearly 100% of the
     throughput, and an instance offered more than its maximum throughput does not degrade
-    gently: its batch grows until every sequence on it misses the TPOT SLO.
+    gently: its batch grows until every sequence on it misses the TPOT SLO (or, KV-bound, its
+    router queue grows without bound).
     """
-    max_batch, limit = decode_batch_limit(profile, sizing, mean_prompt_tokens, mean_output_tokens)
-    context = mean_prompt_tokens + mean_output_tokens / 2.0
-    output = max(1.0, mean_output_tokens)
+    moments = moments or LengthMoments.of(mean_prompt_tokens, mean_output_tokens)
+    max_batch, limit = decode_batch_limit(profile, sizing, mean_prompt_tokens,
+                                          mean_output_tokens, moments)
+    context, output = moments.running_context_tokens, moments.output
 
     def rate_at(batch: int) -> float:
         step_s = profile.decode_perf.decode_step_time_s(
@@ -255,7 +352,7 @@ def size_pools(profile: InstanceProfile, sizing: SizingConfig,
     prefill_rate = prefill_rate_per_instance(profile, sizing, demand.mean_prompt_tokens,
                                              demand.mean_squared_prompt_tokens)
     decode_rate, batch, limit = decode_rate_per_instance(
-        profile, sizing, demand.mean_prompt_tokens, demand.mean_output_tokens)
+        profile, sizing, demand.mean_prompt_tokens, demand.mean_output_tokens, demand.moments())
     horizon_s = max(demand.backlog_horizon_s, _EPSILON)
     prefill_backlog_rate = (demand.num_queued_prefill_tokens
                             / max(1.0, demand.mean_prompt_tokens) / horizon_s)

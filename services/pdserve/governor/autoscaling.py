@@ -12,10 +12,11 @@ record -> actuate.
   ``request_id``). It is the least invasive real signal: the tickets are in the store already
   (``TicketLedger.list_tickets``; a ticket stays readable ``ticket_retention_s``, 600 s by
   default, after its blocks are free, which must exceed the interval), and no service had to
-  change to provide it. Mean prompt length comes from the same tickets. **Mean output length**
-  is not in the store; Little's law on the decode pool estimates it: ``running sequences =
-  arrival rate x output tokens x step time`` (step time from the performance model at the
-  observed batch), smoothed, starting from ``default_output_tokens``. SLO attainment is the
+  change to provide it. The prompt lengths' first three moments come from the same tickets.
+  **Mean output length** is not in the store; Little's law on the decode pool estimates it:
+  ``running sequences = arrival rate x output tokens x step time`` (step time from the
+  performance model at the observed batch), smoothed, starting from ``default_output_tokens``;
+  the outputs' spread is not observed (sizing takes none). SLO attainment is the
   latest per-window aggregate the routers write to the durable store (1.0 without one).
 - **Decide**: the deployment's ``ScalingPolicy`` (``autoscaler.Autoscaler``): pure, the same
   object the simulator runs.
@@ -195,6 +196,12 @@ class DemandSample:
         prompts = self.prompt_tokens
         return sum(p * p for p in prompts) / len(prompts) if prompts else 0.0
 
+    @property
+    def mean_cubed_prompt_tokens(self) -> float:
+        """Mean of the cubed prompt lengths (0 when nothing was counted)."""
+        prompts = self.prompt_tokens
+        return sum(p * p * p for p in prompts) / len(prompts) if prompts else 0.0
+
 
 def demand_in_window(tickets: Sequence[Ticket], deployment: str, start_s: float, end_s: float,
                      already_counted: set[str]) -> tuple[DemandSample, set[str]]:
@@ -270,6 +277,7 @@ class _Deployment:
     counted_ids: set[str] = field(default_factory=set)
     mean_prompt_tokens: float = 0.0
     mean_squared_prompt_tokens: float = 0.0
+    mean_cubed_prompt_tokens: float = 0.0
     mean_output_tokens: float = 0.0
     latest: ScalingDecision | None = None
     latest_at_s: float = 0.0
@@ -526,6 +534,7 @@ class CapacityGovernor:
         if sample.mean_prompt_tokens is not None:
             state.mean_prompt_tokens = sample.mean_prompt_tokens
             state.mean_squared_prompt_tokens = sample.mean_squared_prompt_tokens
+            state.mean_cubed_prompt_tokens = sample.mean_cubed_prompt_tokens
         records = await self._backend.workers.list(spec.name)
         prefill = observe_pool(records, WorkerRole.PREFILL)
         decode = observe_pool(records, WorkerRole.DECODE)
@@ -541,6 +550,7 @@ class CapacityGovernor:
             arrival_rates_per_s=tuple(state.rates),
             mean_prompt_tokens=state.mean_prompt_tokens,
             mean_squared_prompt_tokens=state.mean_squared_prompt_tokens,
+            mean_cubed_prompt_tokens=state.mean_cubed_prompt_tokens,
             mean_output_tokens=state.mean_output_tokens,
             prefill=prefill, decode=decode, cold_start_s=spec.cold_start_s,
             slo_attainment=await self._slo_attainment(spec.name),

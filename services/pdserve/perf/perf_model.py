@@ -186,6 +186,21 @@ class PerfModel:
             return 0.0
         return self._prefill_time_s(mean_tokens, max(mean_squared_tokens, mean_tokens ** 2))
 
+    def token_weighted_prefill_time_s(self, mean_tokens: float, mean_squared_tokens: float = 0.0,
+                                      mean_cubed_tokens: float = 0.0) -> float:
+        """``E[P x prefill_time(P)] / E[P]`` over prompts of lengths ``P`` with these first three
+        moments: the mean prefill time of a prompt picked in proportion to its length (as the
+        KV blocks it holds meanwhile are). Moments below their floors (the mean's square; the
+        square's square over the mean, the least third moment the first two allow) are raised
+        to them; with neither, a prompt of the mean length. Exact and bounded as
+        ``mean_prefill_time_s`` is: the time is linear in a prompt's length and its square on
+        each side of the roofline."""
+        if mean_tokens <= 0:
+            return 0.0
+        squared = max(mean_squared_tokens, mean_tokens ** 2)
+        cubed = max(mean_cubed_tokens, squared * squared / mean_tokens)
+        return self._prefill_time_s(squared / mean_tokens, cubed / mean_tokens)
+
     def _prefill_time_s(self, num_tokens: float, sum_squares: float) -> float:
         if num_tokens <= 0:
             return 0.0

@@ -1,5 +1,5 @@
 """What a scaling policy sees of the simulated cluster: per scaling interval the arrivals (rate,
-mean lengths), the requests that ended and how many met both SLOs, turned into the same
+the lengths' moments), the requests that ended and how many met both SLOs, turned into the same
 ``ScalingObservation`` the governor's live loop builds."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ class ScalingWindow:
     (``config.scaling_history`` intervals)."""
 
     __slots__ = ("_config", "_last_means", "_rates", "_tpot_limit_s", "_ttft_limit_s",
-                 "num_arrivals", "num_done", "num_met", "output_tokens", "prompt_tokens",
+                 "num_arrivals", "num_done", "num_met", "output_tokens", "output_tokens_squared",
+                 "prompt_output_tokens", "prompt_tokens", "prompt_tokens_cubed",
                  "prompt_tokens_squared")
 
     def __init__(self, config: SimConfig) -> None:
@@ -23,19 +24,24 @@ class ScalingWindow:
         self._ttft_limit_s = config.slo.ttft_ms / 1000.0
         self._tpot_limit_s = config.slo.tpot_ms / 1000.0
         self._rates: list[float] = []
-        self._last_means = (0.0, 0.0, 0.0)  # prompt, output, squared prompt
+        # prompt, output, prompt^2, prompt^3, output^2, prompt x output
+        self._last_means = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         self.num_arrivals = 0
-        self.prompt_tokens = 0
-        self.prompt_tokens_squared = 0
-        self.output_tokens = 0
+        self.prompt_tokens = self.prompt_tokens_squared = self.prompt_tokens_cubed = 0
+        self.output_tokens = self.output_tokens_squared = self.prompt_output_tokens = 0
         self.num_done = 0
         self.num_met = 0
 
     def arrived(self, req: SimRequest) -> None:
+        prompt, output = req.prompt, req.output
+        squared = prompt * prompt
         self.num_arrivals += 1
-        self.prompt_tokens += req.prompt
-        self.prompt_tokens_squared += req.prompt * req.prompt
-        self.output_tokens += req.output
+        self.prompt_tokens += prompt
+        self.prompt_tokens_squared += squared
+        self.prompt_tokens_cubed += squared * prompt
+        self.output_tokens += output
+        self.output_tokens_squared += output * output
+        self.prompt_output_tokens += prompt * output
 
     def completed(self, ttft_s: float, tpot_s: float) -> None:
         self.num_done += 1
@@ -59,9 +65,10 @@ class ScalingWindow:
         if len(rates) > config.scaling_history:
             del rates[: len(rates) - config.scaling_history]
         if self.num_arrivals:
-            self._last_means = (self.prompt_tokens / self.num_arrivals,
-                                self.output_tokens / self.num_arrivals,
-                                self.prompt_tokens_squared / self.num_arrivals)
+            n = self.num_arrivals
+            self._last_means = (self.prompt_tokens / n, self.output_tokens / n,
+                                self.prompt_tokens_squared / n, self.prompt_tokens_cubed / n,
+                                self.output_tokens_squared / n, self.prompt_output_tokens / n)
         observation = ScalingObservation(
             now_s=now, deployment=config.deployment, interval_s=interval,
             arrival_rates_per_s=tuple(rates),
@@ -75,9 +82,13 @@ class ScalingWindow:
             cold_start_s=config.cold_start_s,
             slo_attainment=self.num_met / self.num_done if self.num_done else 1.0,
             mean_squared_prompt_tokens=self._last_means[2],
+            mean_cubed_prompt_tokens=self._last_means[3],
+            mean_squared_output_tokens=self._last_means[4],
+            mean_prompt_output_tokens=self._last_means[5],
         )
-        self.num_arrivals = self.prompt_tokens = self.output_tokens = 0
-        self.prompt_tokens_squared = 0
+        self.num_arrivals = 0
+        self.prompt_tokens = self.prompt_tokens_squared = self.prompt_tokens_cubed = 0
+        self.output_tokens = self.output_tokens_squared = self.prompt_output_tokens = 0
         self.num_done = self.num_met = 0
         usage.reset_window()
         return observation
