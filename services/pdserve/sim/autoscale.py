@@ -16,6 +16,7 @@ from pdserve.capacity.autoscaler import Autoscaler
 from pdserve.capacity.controls import AutoscalerConfig
 from pdserve.capacity.sizing import (
     InstanceProfile,
+    LengthMoments,
     SizingConfig,
     decode_rate_per_instance,
     prefill_rate_per_instance,
@@ -41,14 +42,17 @@ def autoscaler_for(cluster: ClusterSpec, tpot_slo_s: float) -> Autoscaler:
 
 
 def pool_capacity_per_s(cluster: ClusterSpec, sizing: SizingConfig, num_prefill: int,
-                        num_decode: int, mean_prompt_tokens: float,
-                        mean_output_tokens: float) -> float:
+                        num_decode: int, mean_prompt_tokens: float, mean_output_tokens: float,
+                        moments: LengthMoments | None = None) -> float:
     """Requests per second ``num_prefill`` + ``num_decode`` instances serve at ``sizing``'s
-    target utilisations (the autoscaler's own arithmetic; targets of 1: where they saturate)."""
+    target utilisations (the autoscaler's own arithmetic; targets of 1: where they saturate).
+    ``moments``: the lengths' higher moments, as the autoscaler sees them (None: every request
+    of the mean lengths)."""
     profile = profile_for(cluster)
-    prefill = prefill_rate_per_instance(profile, sizing, mean_prompt_tokens)
+    prefill = prefill_rate_per_instance(profile, sizing, mean_prompt_tokens,
+                                        moments.prompt_squared if moments else 0.0)
     decode, _, _ = decode_rate_per_instance(profile, sizing, mean_prompt_tokens,
-                                            mean_output_tokens)
+                                            mean_output_tokens, moments)
     return min(num_prefill * prefill, num_decode * decode)
 
 
