@@ -166,6 +166,28 @@ async def test_decisions_are_recorded_with_inputs_and_actuated(
     assert latest.inputs["observed_rate_per_s"] == pytest.approx(30 / INTERVAL_S)
 
 
+async def test_the_prompt_lengths_moments_come_from_the_tickets(
+        backend: StateBackend, repository: Repository, clock: ManualClock) -> None:
+    await _add_workers(backend, num_prefill=1, num_decode=1)
+    governor = _governor(backend, repository, clock, None)
+    prompts = [1_000, 4_000, 16_000] * 10
+    clock.advance(1.0)
+    for prompt in prompts:
+        await backend.tickets.open(TicketSpec(
+            deployment=DEPLOYMENT, decode_worker_id="d0", prefill_worker_id="p0", num_blocks=1,
+            lease_s=600.0, request_id=uuid.uuid4().hex, num_prompt_tokens=prompt))
+    clock.advance(INTERVAL_S - 1.0)
+    await governor.step()
+    (decode,) = repository.list_scaling_decisions(DEPLOYMENT, 1, role=WorkerRole.DECODE)
+    lengths = np.asarray(prompts, dtype=np.float64)
+    assert decode.inputs["mean_prompt_tokens"] == pytest.approx(lengths.mean())
+    assert decode.inputs["mean_squared_prompt_tokens"] == pytest.approx(np.mean(lengths ** 2))
+    assert decode.inputs["mean_cubed_prompt_tokens"] == pytest.approx(np.mean(lengths ** 3))
+    # Output lengths are not in the store: their spread is unknown (0), not made up.
+    assert decode.inputs["mean_squared_output_tokens"] == 0.0
+    assert decode.inputs["mean_prompt_output_tokens"] == 0.0
+
+
 async def test_dry_run_records_but_does_not_actuate(
         backend: StateBackend, repository: Repository, clock: ManualClock) -> None:
     await _add_workers(backend, num_prefill=1, num_decode=1)
