@@ -66,8 +66,8 @@ from pdserve.capacity.controls import AutoscalerConfig
 from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
 from pdserve.capacity.sizing import (
     InstanceProfile,
+    LengthMoments,
     SizingConfig,
-    SizingDemand,
     decode_batch_limit,
     decode_kv_blocks_held,
     instances_for,
@@ -201,25 +201,13 @@ class HpaLike:
         return ScalingDecision(prefill, decode, f"prefill {why_p}; decode {why_d}")
 
 
-def trace_moments(trace: Trace) -> dict[str, float]:
-    """The length moments ``SizingDemand`` takes, over the whole trace (its field names)."""
-    prompt = trace.prompt_tokens.astype(np.float64)
-    output = trace.output_tokens.astype(np.float64)
-    return {"mean_prompt_tokens": float(prompt.mean()),
-            "mean_output_tokens": float(output.mean()),
-            "mean_squared_prompt_tokens": float(np.mean(prompt ** 2)),
-            "mean_cubed_prompt_tokens": float(np.mean(prompt ** 3)),
-            "mean_squared_output_tokens": float(np.mean(output ** 2)),
-            "mean_prompt_output_tokens": float(np.mean(prompt * output))}
-
-
 class PerfectForesight:
     """The oracle: sizes each interval for the highest exact rate of the coming interval, with
     the sizing arithmetic ``ours`` uses and the trace's length moments (run with instant
     starts)."""
 
     def __init__(self, demand: DayDemand, profile: InstanceProfile, sizing: SizingConfig,
-                 moments: dict[str, float]) -> None:
+                 moments: LengthMoments) -> None:
         self.demand, self.profile, self.sizing = demand, profile, sizing
         self.moments = moments
 
@@ -227,8 +215,7 @@ class PerfectForesight:
         """Instances for the highest rate in ``[start_s, end_s]`` (sampled every 10 s)."""
         times = np.append(np.arange(start_s, end_s, 10.0), end_s)
         rate = float(np.max(self.demand.rate_per_s(times)))
-        sizing = size_pools(self.profile, self.sizing,
-                            SizingDemand(arrival_rate_per_s=rate, **self.moments))
+        sizing = size_pools(self.profile, self.sizing, self.moments.demand(rate))
         return max(1, instances_for(sizing.num_prefill)), max(1, instances_for(sizing.num_decode))
 
     def decide(self, observation: ScalingObservation) -> ScalingDecision:
@@ -238,12 +225,11 @@ class PerfectForesight:
 
 
 def decode_full_kv_fraction(profile: InstanceProfile, sizing: SizingConfig,
-                            moments: dict[str, float]) -> float:
+                            moments: LengthMoments) -> float:
     """KV fraction a decode instance holds with its batch at the limit (reservations of
     prompt + output from routing to the last token, as the simulated router makes them)."""
-    lengths = SizingDemand(0.0, **moments).moments()
-    batch, _ = decode_batch_limit(profile, sizing, lengths.prompt, lengths.output, lengths)
-    held = decode_kv_blocks_held(profile, sizing, batch, lengths)
+    batch, _ = decode_batch_limit(profile, sizing, moments.prompt, moments.output, moments)
+    held = decode_kv_blocks_held(profile, sizing, batch, moments)
     return min(1.0, held / profile.decode_num_blocks)
 
 
@@ -254,7 +240,7 @@ def run_policy(name: str, setup: Setup) -> dict[str, Any]:
     cluster = ClusterSpec(1, 1, model=setup.model, gpu=setup.gpu, tp_size=setup.tp_size)
     profile = profile_for(setup, cluster)
     sizing = SizingConfig(tpot_slo_s=setup.tpot_ms / 1000.0)
-    moments = trace_moments(trace)
+    moments = LengthMoments.measured(trace.prompt_tokens, trace.output_tokens)
     oracle = PerfectForesight(demand, profile, sizing, moments)
     start = oracle.needs(0.0, setup.interval_s)
     policy: Any

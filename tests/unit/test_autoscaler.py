@@ -11,7 +11,7 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -444,16 +444,7 @@ def _grid_moments(prompts: list[int], outputs: list[int]) -> tuple[list[tuple[in
     """Every (prompt, output) pair of the two lists (so the lengths are exactly independent)
     and their moments."""
     pairs = list(itertools.product(prompts, outputs))
-
-    def mean(values: Iterable[float]) -> float:
-        values = list(values)
-        return sum(values) / len(values)
-
-    moments = LengthMoments.of(
-        mean(p for p, _ in pairs), mean(o for _, o in pairs), mean(p * p for p, _ in pairs),
-        mean(p ** 3 for p, _ in pairs), mean(o * o for _, o in pairs),
-        mean(p * o for p, o in pairs))
-    return pairs, moments
+    return pairs, LengthMoments.measured([p for p, _ in pairs], [o for _, o in pairs])
 
 
 def test_decode_kv_held_is_the_rate_times_each_requests_block_seconds() -> None:
@@ -524,3 +515,16 @@ def test_the_autoscaler_sizes_decode_from_the_observed_moments() -> None:
     assert seen.inputs["mean_cubed_prompt_tokens"] == spread.prompt_cubed
     assert seen.inputs["mean_squared_output_tokens"] == spread.output_squared
     assert seen.inputs["mean_prompt_output_tokens"] == spread.prompt_output
+
+
+def test_length_moments_are_measured_per_request_and_refuse_mismatched_lengths() -> None:
+    moments = LengthMoments.measured([1, 3], [10, 20])
+    assert (moments.prompt, moments.output) == (2.0, 15.0)
+    assert (moments.prompt_squared, moments.prompt_cubed) == (5.0, 14.0)
+    assert (moments.output_squared, moments.prompt_output) == (250.0, 35.0)
+    assert moments.demand(3.0).mean_cubed_prompt_tokens == 14.0
+    with pytest.raises(InvalidArgumentError) as error:
+        LengthMoments.measured([1, 2], [3])
+    assert error.value.field == "output_tokens"
+    with pytest.raises(InvalidArgumentError):
+        LengthMoments.measured([], [])

@@ -7,17 +7,15 @@ decode instance at routing) a large share of the KV: the means-only arithmetic d
 
 from __future__ import annotations
 
-import numpy as np
-
 from pdserve.capacity.sizing import (
     InstanceProfile,
+    LengthMoments,
     SizingConfig,
-    SizingDemand,
     instances_for,
     size_pools,
 )
 from pdserve.sim import ClusterSpec, SimConfig, SloSpec, simulate
-from pdserve.sim.traces import LengthSpec, Trace, synthetic_trace
+from pdserve.sim.traces import LengthSpec, synthetic_trace
 
 MODEL, GPU, TP = "llama-3.1-70b", "h100-sxm-80gb", 4
 PROMPT = LengthSpec(16_000, 1.5, 1_000, 120_000)
@@ -25,26 +23,16 @@ OUTPUT = LengthSpec(200, 1.0, 8, 4_000)
 DURATION_S = 2_400.0
 
 
-def moments_of(trace: Trace) -> dict[str, float]:
-    prompt = trace.prompt_tokens.astype(np.float64)
-    output = trace.output_tokens.astype(np.float64)
-    return {"mean_prompt_tokens": float(prompt.mean()),
-            "mean_output_tokens": float(output.mean()),
-            "mean_squared_prompt_tokens": float(np.mean(prompt ** 2)),
-            "mean_cubed_prompt_tokens": float(np.mean(prompt ** 3)),
-            "mean_squared_output_tokens": float(np.mean(output ** 2)),
-            "mean_prompt_output_tokens": float(np.mean(prompt * output))}
-
-
 def test_kv_bound_decode_sized_from_the_moments_holds_where_the_means_alone_queue() -> None:
     profile = InstanceProfile.from_catalog(MODEL, GPU, prefill_tp_size=TP, decode_tp_size=TP)
     sizing = SizingConfig(tpot_slo_s=0.1)
-    moments = moments_of(synthetic_trace(20_000, 1.0, seed=3, prompt=PROMPT, output=OUTPUT))
-    means = {key: moments[key] for key in ("mean_prompt_tokens", "mean_output_tokens")}
+    probe = synthetic_trace(20_000, 1.0, seed=3, prompt=PROMPT, output=OUTPUT)
+    moments = LengthMoments.measured(probe.prompt_tokens, probe.output_tokens)
+    means = LengthMoments.of(moments.prompt, moments.output)
     # The load three decode instances serve at the target utilisation by the means alone.
-    rate = 3 * size_pools(profile, sizing, SizingDemand(1.0, **means)).decode_rate_per_instance
-    by_means = size_pools(profile, sizing, SizingDemand(rate, **means))
-    by_moments = size_pools(profile, sizing, SizingDemand(rate, **moments))
+    rate = 3 * size_pools(profile, sizing, means.demand(1.0)).decode_rate_per_instance
+    by_means = size_pools(profile, sizing, means.demand(rate))
+    by_moments = size_pools(profile, sizing, moments.demand(rate))
     assert instances_for(by_means.num_decode) == 3
     assert instances_for(by_moments.num_decode) == 4
     # Prefill is plentiful in both runs, so only the decode pools differ.

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.perf.catalog import get_gpu, get_model
@@ -197,6 +200,28 @@ class LengthMoments:
         return cls(prompt, output, squared, cubed, max(mean_squared_output_tokens, output * output),
                    mean_prompt_output_tokens if mean_prompt_output_tokens > 0 else prompt * output)
 
+    @classmethod
+    def measured(cls, prompt_tokens: Sequence[int] | np.ndarray,
+                 output_tokens: Sequence[int] | np.ndarray) -> LengthMoments:
+        """The moments of these requests' lengths (one prompt and one output length each)."""
+        prompt = np.asarray(prompt_tokens, dtype=np.float64)
+        output = np.asarray(output_tokens, dtype=np.float64)
+        if prompt.shape != output.shape or prompt.size == 0:
+            raise InvalidArgumentError("one prompt and one output length per request, at least "
+                                       "one request", field="output_tokens")
+        return cls.of(float(prompt.mean()), float(output.mean()), float(np.mean(prompt ** 2)),
+                      float(np.mean(prompt ** 3)), float(np.mean(output ** 2)),
+                      float(np.mean(prompt * output)))
+
+    def demand(self, arrival_rate_per_s: float) -> SizingDemand:
+        """Demand of ``arrival_rate_per_s`` requests per second with these lengths (no
+        backlog)."""
+        return SizingDemand(arrival_rate_per_s, self.prompt, self.output,
+                            mean_squared_prompt_tokens=self.prompt_squared,
+                            mean_cubed_prompt_tokens=self.prompt_cubed,
+                            mean_squared_output_tokens=self.output_squared,
+                            mean_prompt_output_tokens=self.prompt_output)
+
     @property
     def running_context_tokens(self) -> float:
         """Mean context of a sequence in a decode batch: ``E[O (P + O / 2)] / E[O]`` (a request
@@ -282,14 +307,7 @@ def decode_batch_limit(profile: InstanceProfile, sizing: SizingConfig, mean_prom
 
     limit, cap = DecodeLimit.MAX_BATCH, profile.max_batch_size
     if not fits(cap):
-        low, high = 1, cap  # fits(low) may be false; the answer is then 1
-        while high - low > 1:
-            middle = (low + high) // 2
-            if fits(middle):
-                low = middle
-            else:
-                high = middle
-        limit, cap = DecodeLimit.KV, low
+        limit, cap = DecodeLimit.KV, _largest_batch(fits, cap)
     context = moments.running_context_tokens
     tpot_s = sizing.tpot_slo_s * profile.speedup  # the model's own seconds
 
@@ -298,14 +316,20 @@ def decode_batch_limit(profile: InstanceProfile, sizing: SizingConfig, mean_prom
 
     if meets(cap):
         return cap, limit
-    low, high = 1, cap  # meets(low) may be false; the answer is then 1
+    return _largest_batch(meets, cap), DecodeLimit.TPOT
+
+
+def _largest_batch(holds: Callable[[int], bool], cap: int) -> int:
+    """The largest batch in ``[1, cap)`` for which ``holds`` (true up to some batch, false from
+    there; false at ``cap``), or 1 if none."""
+    low, high = 1, cap
     while high - low > 1:
         middle = (low + high) // 2
-        if meets(middle):
+        if holds(middle):
             low = middle
         else:
             high = middle
-    return low, DecodeLimit.TPOT
+    return low
 
 
 def decode_rate_per_instance(profile: InstanceProfile, sizing: SizingConfig,
