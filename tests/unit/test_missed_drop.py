@@ -16,7 +16,13 @@ import pytest
 from pdserve.common.errors import UnavailableError
 from pdserve.common.grpc_server import GrpcServer
 from pdserve.common.settings import CommonSettings
-from pdserve.common.types import TicketSpec, TicketState, WorkerRole, WorkerState
+from pdserve.common.types import (
+    FencingToken,
+    TicketSpec,
+    TicketState,
+    WorkerRole,
+    WorkerState,
+)
 from pdserve.pool.app import PoolApp
 from pdserve.pool.settings import PoolSettings
 from pdserve.state.stores import Stores, open_stores
@@ -64,6 +70,15 @@ async def test_a_ticket_the_ledger_freed_is_dropped_at_the_workers_next_heartbea
         assert set(worker.agent.held_blocks()) == {str(kept.token), str(freed.token)}
         free_before = worker.agent.load().num_free_blocks
 
+        dropped: list[tuple[str, str]] = []
+        drop = worker.agent.drop
+
+        def recording_drop(token: FencingToken, reason: str) -> int:
+            dropped.append((str(token), reason))
+            return drop(token, reason)
+
+        worker.agent.drop = recording_drop  # type: ignore[method-assign]
+
         # Aborted at the ledger; the DropTicket that would have told the worker never came.
         await tickets.transition(freed.token, TicketState.ABORTED, "router gave up")
         await worker.heartbeat()
@@ -71,9 +86,25 @@ async def test_a_ticket_the_ledger_freed_is_dropped_at_the_workers_next_heartbea
         assert worker.agent.load().num_free_blocks == free_before + 4
         snapshot = await tickets.snapshot("d-1")
         assert snapshot.num_reserved_blocks + snapshot.num_held_blocks == 4
+        # The worker drops it for the cause DropTicket would have given ("<state>: <reason>").
+        assert dropped == [(str(freed.token), "aborted: router gave up")]
 
         await worker.heartbeat()  # nothing more to drop: the live ticket stays
         assert set(worker.agent.held_blocks()) == {str(kept.token)}
+
+        # Expired, and released after it was done: each dropped for its own cause.
+        lapsed = await tickets.open(TicketSpec(MODEL, "d-1", "p-1", 4, 30.0,
+                                               num_prompt_tokens=40))
+        worker.agent.admit(lapsed.token, 40, 4)
+        await worker.heartbeat()
+        await tickets.transition(lapsed.token, TicketState.EXPIRED, "lease lapsed")
+        await tickets.hold_done(kept.token)
+        await tickets.release(kept.token)
+        dropped.clear()
+        await worker.heartbeat()
+        assert sorted(dropped) == sorted([(str(lapsed.token), "expired: lease lapsed"),
+                                          (str(kept.token), "released")])
+        assert not worker.agent.held_blocks()
 
 
 class _FailingOnce:

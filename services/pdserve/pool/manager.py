@@ -32,8 +32,10 @@ from pdserve.common.types import (
     BlockReport,
     Clock,
     DecodeWorkerView,
+    FencingToken,
     PoolEvent,
     PoolEventKind,
+    TicketState,
     WorkerLoad,
     WorkerRecord,
     WorkerRole,
@@ -111,6 +113,8 @@ class HeartbeatDirectives:
     """The store lacks the worker's tokenizer bundle (lost with a store restart)."""
     drop_tokens: tuple[str, ...] = ()
     """Tickets the worker reported that the ledger no longer holds for it (it drops them)."""
+    drop_reasons: tuple[str, ...] = ()
+    """Why, for each of ``drop_tokens`` (``_drop_reason``)."""
 
 
 class LifecycleSink(Protocol):
@@ -234,6 +238,7 @@ class PoolManager:
             was_readopted = True
         should_drain = False
         drop_tokens: tuple[str, ...] = ()
+        drop_reasons: tuple[str, ...] = ()
         state = beat.state
         if record.state is WorkerState.DRAINING and state in (
             WorkerState.READY,
@@ -261,6 +266,7 @@ class PoolManager:
                 )
                 observe_ledger(record.deployment, reconciled)
                 drop_tokens = reconciled.stale
+                drop_reasons = tuple([await self._drop_reason(t) for t in drop_tokens])
                 await self._backend.tickets.set_capacity(
                     beat.worker_id, beat.load.num_total_blocks, self._view(record))
                 is_described = True
@@ -286,7 +292,26 @@ class PoolManager:
             should_send_full_prefix_report=was_readopted,
             should_send_tokenizer=should_send_tokenizer,
             drop_tokens=drop_tokens,
+            drop_reasons=drop_reasons,
         )
+
+    async def _drop_reason(self, token: str) -> str:
+        """Why the ledger no longer holds ``token`` for its worker, in the form the coordinator's
+        DropTicket gives (``"<state>: <reason>"``); "" if it kept no record of the ticket (or
+        the store could not say: the drop does not wait on the explanation)."""
+        parsed = FencingToken.parse(token)
+        try:
+            ticket = await self._backend.tickets.find(parsed.ticket_id)
+        except Exception:  # an explanation, not a dependency
+            logger.debug("no record of dropped ticket %s", token, exc_info=True)
+            return ""
+        if ticket is None:
+            return ""
+        if ticket.token != parsed:
+            return f"at attempt {ticket.token.attempt}"
+        if ticket.state is TicketState.DONE:  # done, and its held blocks since released
+            return "released"
+        return f"{ticket.state}: {ticket.reason}" if ticket.reason else str(ticket.state)
 
     def _view(self, record: WorkerRecord) -> DecodeWorkerView:
         return DecodeWorkerView.of(record, self.policy.record_ttl_s)

@@ -179,6 +179,7 @@ class PoolServicer(pool_pb2_grpc.PoolServiceServicer):
             should_send_full_prefix_report=directives.should_send_full_prefix_report,
             should_send_tokenizer=directives.should_send_tokenizer,
             drop_tokens=[token_to_pb(FencingToken.parse(t)) for t in directives.drop_tokens],
+            drop_reasons=list(directives.drop_reasons),
             # Re-signed on every beat, so a worker moves to a rotated service token long
             # before the old one's grace ends.
             worker_credential=(self._mint_credential(request.worker_id)

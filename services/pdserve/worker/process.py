@@ -265,12 +265,15 @@ class WorkerProcess:
         self._needs_full_prefix_report = response.should_send_full_prefix_report
         self._needs_tokenizer_sent = response.should_send_tokenizer
         self.credential = response.worker_credential or self.credential
-        for pb_token in response.drop_tokens:  # the ledger freed them; this worker was not told
+        reasons = list(response.drop_reasons)
+        for i, pb_token in enumerate(response.drop_tokens):  # freed; this worker was not told
             token = token_from_pb(pb_token)
-            num_freed = self.agent.drop(token, "the ledger no longer holds it")
+            why = reasons[i] if i < len(reasons) else ""
+            reason = why or "the ledger no longer holds it"
+            num_freed = self.agent.drop(token, reason)
             if num_freed:
-                logger.warning("dropped ticket %s (%d blocks): the ledger no longer holds it",
-                               token, num_freed)
+                logger.warning("dropped ticket %s (%d blocks): the ledger no longer holds it "
+                               "(%s)", token, num_freed, why or "no record of why")
         if response.should_drain:
             self.agent.begin_drain("pool manager asked")
 

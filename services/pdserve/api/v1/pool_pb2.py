@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.api.v1 import common_pb2 as pdserve_dot_api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/api/v1/pool.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve/api/v1/common.proto\"\xa4\x01\n\x0fRegisterRequest\x12\x12\n\njoin_token\x18\x01 \x01(\t\x12*\n\x06worker\x18\x02 \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerInfo\x12\x1d\n\x15\x65xpected_cold_start_s\x18\x03 \x01(\x01\x12\x32\n\ttokenizer\x18\x04 \x01(\x0b\x32\x1f.pdserve.api.v1.TokenizerBundle\"y\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x18\n\x10heartbeat_ttl_ms\x18\x03 \x01(\r\x12\x19\n\x11worker_credential\x18\x04 \x01(\t\"M\n\nHeldBlocks\x12+\n\x05token\x18\x01 \x01(\x0b\x32\x1c.pdserve.api.v1.FencingToken\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\"\xb0\x03\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.pdserve.api.v1.WorkerState\x12(\n\x04load\x18\x03 \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerLoad\x12/\n\x0bheld_blocks\x18\x04 \x03(\x0b\x32\x1a.pdserve.api.v1.HeldBlocks\x12\x1b\n\x13\x61\x64\x64\x65\x64_prefix_hashes\x18\x05 \x03(\x04\x12\x1d\n\x15removed_prefix_hashes\x18\x06 \x03(\x04\x12\x1b\n\x13\x65xpert_token_counts\x18\x07 \x03(\x04\x12\x16\n\x0enum_moe_layers\x18\x08 \x01(\r\x12\x12\n\njoin_token\x18\t \x01(\t\x12*\n\x06worker\x18\n \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerInfo\x12\x1d\n\x15is_full_prefix_report\x18\x0b \x01(\x08\x12\x32\n\ttokenizer\x18\x0c \x01(\x0b\x32\x1f.pdserve.api.v1.TokenizerBundle\"\xd5\x01\n\x11HeartbeatResponse\x12\x14\n\x0cshould_drain\x18\x01 \x01(\x08\x12\x15\n\rwas_readopted\x18\x02 \x01(\x08\x12&\n\x1eshould_send_full_prefix_report\x18\x03 \x01(\x08\x12\x1d\n\x15should_send_tokenizer\x18\x04 \x01(\x08\x12\x19\n\x11worker_credential\x18\x05 \x01(\t\x12\x31\n\x0b\x64rop_tokens\x18\x06 \x03(\x0b\x32\x1c.pdserve.api.v1.FencingToken\":\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\njoin_token\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"1\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\";\n\rDrainResponse\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.pdserve.api.v1.WorkerState\"R\n\x12ListWorkersRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12(\n\x04role\x18\x02 \x01(\x0e\x32\x1a.pdserve.api.v1.WorkerRole\"g\n\x13ListWorkersResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.pdserve.api.v1.WorkerInfo\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\t\x12\x13\n\x0btarget_size\x18\x03 \x01(\r\"6\n\x10WatchPoolRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\t\"\x8f\x01\n\x11WatchPoolResponse\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.pdserve.api.v1.PoolEventKind\x12*\n\x06worker\x18\x02 \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerInfo\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x04 \x01(\t\"y\n\x14SetTargetSizeRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12(\n\x04role\x18\x02 \x01(\x0e\x32\x1a.pdserve.api.v1.WorkerRole\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\x12\x0e\n\x06set_by\x18\x04 \x01(\t\"5\n\x15SetTargetSizeResponse\x12\x1c\n\x14previous_num_workers\x18\x01 \x01(\r*\xa0\x01\n\rPoolEventKind\x12\x1f\n\x1bPOOL_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18POOL_EVENT_KIND_UPSERTED\x10\x01\x12\x1b\n\x17POOL_EVENT_KIND_REMOVED\x10\x02\x12\x17\n\x13POOL_EVENT_KIND_GAP\x10\x03\x12\x1a\n\x16POOL_EVENT_KIND_TARGET\x10\x04\x32\xd3\x04\n\x0bPoolService\x12M\n\x08Register\x12\x1f.pdserve.api.v1.RegisterRequest\x1a .pdserve.api.v1.RegisterResponse\x12P\n\tHeartbeat\x12 .pdserve.api.v1.HeartbeatRequest\x1a!.pdserve.api.v1.HeartbeatResponse\x12S\n\nDeregister\x12!.pdserve.api.v1.DeregisterRequest\x1a\".pdserve.api.v1.DeregisterResponse\x12\x44\n\x05\x44rain\x12\x1c.pdserve.api.v1.DrainRequest\x1a\x1d.pdserve.api.v1.DrainResponse\x12V\n\x0bListWorkers\x12\".pdserve.api.v1.ListWorkersRequest\x1a#.pdserve.api.v1.ListWorkersResponse\x12R\n\tWatchPool\x12 .pdserve.api.v1.WatchPoolRequest\x1a!.pdserve.api.v1.WatchPoolResponse0\x01\x12\\\n\rSetTargetSize\x12$.pdserve.api.v1.SetTargetSizeRequest\x1a%.pdserve.api.v1.SetTargetSizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/api/v1/pool.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve/api/v1/common.proto\"\xa4\x01\n\x0fRegisterRequest\x12\x12\n\njoin_token\x18\x01 \x01(\t\x12*\n\x06worker\x18\x02 \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerInfo\x12\x1d\n\x15\x65xpected_cold_start_s\x18\x03 \x01(\x01\x12\x32\n\ttokenizer\x18\x04 \x01(\x0b\x32\x1f.pdserve.api.v1.TokenizerBundle\"y\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x18\n\x10heartbeat_ttl_ms\x18\x03 \x01(\r\x12\x19\n\x11worker_credential\x18\x04 \x01(\t\"M\n\nHeldBlocks\x12+\n\x05token\x18\x01 \x01(\x0b\x32\x1c.pdserve.api.v1.FencingToken\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\"\xb0\x03\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.pdserve.api.v1.WorkerState\x12(\n\x04load\x18\x03 \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerLoad\x12/\n\x0bheld_blocks\x18\x04 \x03(\x0b\x32\x1a.pdserve.api.v1.HeldBlocks\x12\x1b\n\x13\x61\x64\x64\x65\x64_prefix_hashes\x18\x05 \x03(\x04\x12\x1d\n\x15removed_prefix_hashes\x18\x06 \x03(\x04\x12\x1b\n\x13\x65xpert_token_counts\x18\x07 \x03(\x04\x12\x16\n\x0enum_moe_layers\x18\x08 \x01(\r\x12\x12\n\njoin_token\x18\t \x01(\t\x12*\n\x06worker\x18\n \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerInfo\x12\x1d\n\x15is_full_prefix_report\x18\x0b \x01(\x08\x12\x32\n\ttokenizer\x18\x0c \x01(\x0b\x32\x1f.pdserve.api.v1.TokenizerBundle\"\xeb\x01\n\x11HeartbeatResponse\x12\x14\n\x0cshould_drain\x18\x01 \x01(\x08\x12\x15\n\rwas_readopted\x18\x02 \x01(\x08\x12&\n\x1eshould_send_full_prefix_report\x18\x03 \x01(\x08\x12\x1d\n\x15should_send_tokenizer\x18\x04 \x01(\x08\x12\x19\n\x11worker_credential\x18\x05 \x01(\t\x12\x31\n\x0b\x64rop_tokens\x18\x06 \x03(\x0b\x32\x1c.pdserve.api.v1.FencingToken\x12\x14\n\x0c\x64rop_reasons\x18\x07 \x03(\t\":\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\njoin_token\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"1\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\";\n\rDrainResponse\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.pdserve.api.v1.WorkerState\"R\n\x12ListWorkersRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12(\n\x04role\x18\x02 \x01(\x0e\x32\x1a.pdserve.api.v1.WorkerRole\"g\n\x13ListWorkersResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.pdserve.api.v1.WorkerInfo\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\t\x12\x13\n\x0btarget_size\x18\x03 \x01(\r\"6\n\x10WatchPoolRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\t\"\x8f\x01\n\x11WatchPoolResponse\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.pdserve.api.v1.PoolEventKind\x12*\n\x06worker\x18\x02 \x01(\x0b\x32\x1a.pdserve.api.v1.WorkerInfo\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x04 \x01(\t\"y\n\x14SetTargetSizeRequest\x12\x12\n\ndeployment\x18\x01 \x01(\t\x12(\n\x04role\x18\x02 \x01(\x0e\x32\x1a.pdserve.api.v1.WorkerRole\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\x12\x0e\n\x06set_by\x18\x04 \x01(\t\"5\n\x15SetTargetSizeResponse\x12\x1c\n\x14previous_num_workers\x18\x01 \x01(\r*\xa0\x01\n\rPoolEventKind\x12\x1f\n\x1bPOOL_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18POOL_EVENT_KIND_UPSERTED\x10\x01\x12\x1b\n\x17POOL_EVENT_KIND_REMOVED\x10\x02\x12\x17\n\x13POOL_EVENT_KIND_GAP\x10\x03\x12\x1a\n\x16POOL_EVENT_KIND_TARGET\x10\x04\x32\xd3\x04\n\x0bPoolService\x12M\n\x08Register\x12\x1f.pdserve.api.v1.RegisterRequest\x1a .pdserve.api.v1.RegisterResponse\x12P\n\tHeartbeat\x12 .pdserve.api.v1.HeartbeatRequest\x1a!.pdserve.api.v1.HeartbeatResponse\x12S\n\nDeregister\x12!.pdserve.api.v1.DeregisterRequest\x1a\".pdserve.api.v1.DeregisterResponse\x12\x44\n\x05\x44rain\x12\x1c.pdserve.api.v1.DrainRequest\x1a\x1d.pdserve.api.v1.DrainResponse\x12V\n\x0bListWorkers\x12\".pdserve.api.v1.ListWorkersRequest\x1a#.pdserve.api.v1.ListWorkersResponse\x12R\n\tWatchPool\x12 .pdserve.api.v1.WatchPoolRequest\x1a!.pdserve.api.v1.WatchPoolResponse0\x01\x12\\\n\rSetTargetSize\x12$.pdserve.api.v1.SetTargetSizeRequest\x1a%.pdserve.api.v1.SetTargetSizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.api.v1.pool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POOLEVENTKIND']._serialized_start=1858
-  _globals['_POOLEVENTKIND']._serialized_end=2018
+  _globals['_POOLEVENTKIND']._serialized_start=1880
+  _globals['_POOLEVENTKIND']._serialized_end=2040
   _globals['_REGISTERREQUEST']._serialized_start=75
   _globals['_REGISTERREQUEST']._serialized_end=239
   _globals['_REGISTERRESPONSE']._serialized_start=241
@@ -43,27 +43,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_start=444
   _globals['_HEARTBEATREQUEST']._serialized_end=876
   _globals['_HEARTBEATRESPONSE']._serialized_start=879
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1092
-  _globals['_DEREGISTERREQUEST']._serialized_start=1094
-  _globals['_DEREGISTERREQUEST']._serialized_end=1152
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1154
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1174
-  _globals['_DRAINREQUEST']._serialized_start=1176
-  _globals['_DRAINREQUEST']._serialized_end=1225
-  _globals['_DRAINRESPONSE']._serialized_start=1227
-  _globals['_DRAINRESPONSE']._serialized_end=1286
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1288
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1370
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1372
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1475
-  _globals['_WATCHPOOLREQUEST']._serialized_start=1477
-  _globals['_WATCHPOOLREQUEST']._serialized_end=1531
-  _globals['_WATCHPOOLRESPONSE']._serialized_start=1534
-  _globals['_WATCHPOOLRESPONSE']._serialized_end=1677
-  _globals['_SETTARGETSIZEREQUEST']._serialized_start=1679
-  _globals['_SETTARGETSIZEREQUEST']._serialized_end=1800
-  _globals['_SETTARGETSIZERESPONSE']._serialized_start=1802
-  _globals['_SETTARGETSIZERESPONSE']._serialized_end=1855
-  _globals['_POOLSERVICE']._serialized_start=2021
-  _globals['_POOLSERVICE']._serialized_end=2616
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1114
+  _globals['_DEREGISTERREQUEST']._serialized_start=1116
+  _globals['_DEREGISTERREQUEST']._serialized_end=1174
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1176
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1196
+  _globals['_DRAINREQUEST']._serialized_start=1198
+  _globals['_DRAINREQUEST']._serialized_end=1247
+  _globals['_DRAINRESPONSE']._serialized_start=1249
+  _globals['_DRAINRESPONSE']._serialized_end=1308
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1310
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1392
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1394
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1497
+  _globals['_WATCHPOOLREQUEST']._serialized_start=1499
+  _globals['_WATCHPOOLREQUEST']._serialized_end=1553
+  _globals['_WATCHPOOLRESPONSE']._serialized_start=1556
+  _globals['_WATCHPOOLRESPONSE']._serialized_end=1699
+  _globals['_SETTARGETSIZEREQUEST']._serialized_start=1701
+  _globals['_SETTARGETSIZEREQUEST']._serialized_end=1822
+  _globals['_SETTARGETSIZERESPONSE']._serialized_start=1824
+  _globals['_SETTARGETSIZERESPONSE']._serialized_end=1877
+  _globals['_POOLSERVICE']._serialized_start=2043
+  _globals['_POOLSERVICE']._serialized_end=2638
 # @@protoc_insertion_point(module_scope)

@@ -82,20 +82,22 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., held_blocks: _Optional[_Iterable[_Union[HeldBlocks, _Mapping]]] = ..., added_prefix_hashes: _Optional[_Iterable[int]] = ..., removed_prefix_hashes: _Optional[_Iterable[int]] = ..., expert_token_counts: _Optional[_Iterable[int]] = ..., num_moe_layers: _Optional[int] = ..., join_token: _Optional[str] = ..., worker: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ..., is_full_prefix_report: _Optional[bool] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerBundle, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("should_drain", "was_readopted", "should_send_full_prefix_report", "should_send_tokenizer", "worker_credential", "drop_tokens")
+    __slots__ = ("should_drain", "was_readopted", "should_send_full_prefix_report", "should_send_tokenizer", "worker_credential", "drop_tokens", "drop_reasons")
     SHOULD_DRAIN_FIELD_NUMBER: _ClassVar[int]
     WAS_READOPTED_FIELD_NUMBER: _ClassVar[int]
     SHOULD_SEND_FULL_PREFIX_REPORT_FIELD_NUMBER: _ClassVar[int]
     SHOULD_SEND_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     WORKER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     DROP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DROP_REASONS_FIELD_NUMBER: _ClassVar[int]
     should_drain: bool
     was_readopted: bool
     should_send_full_prefix_report: bool
     should_send_tokenizer: bool
     worker_credential: str
     drop_tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.FencingToken]
-    def __init__(self, should_drain: _Optional[bool] = ..., was_readopted: _Optional[bool] = ..., should_send_full_prefix_report: _Optional[bool] = ..., should_send_tokenizer: _Optional[bool] = ..., worker_credential: _Optional[str] = ..., drop_tokens: _Optional[_Iterable[_Union[_common_pb2.FencingToken, _Mapping]]] = ...) -> None: ...
+    drop_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, should_drain: _Optional[bool] = ..., was_readopted: _Optional[bool] = ..., should_send_full_prefix_report: _Optional[bool] = ..., should_send_tokenizer: _Optional[bool] = ..., worker_credential: _Optional[str] = ..., drop_tokens: _Optional[_Iterable[_Union[_common_pb2.FencingToken, _Mapping]]] = ..., drop_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "join_token")
