@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.capacity.autoscaler import Autoscaler
 from pdserve.capacity.controls import AutoscalerConfig, AutoscalerControls, PoolBounds
-from pdserve.capacity.forecast import HoltForecaster
+from pdserve.capacity.forecast import DemandForecaster, HoltForecaster
 from pdserve.capacity.scaling import PoolObservation, ScalingDecision, ScalingObservation
 from pdserve.capacity.sizing import (
     DecodeLimit,
@@ -528,3 +528,46 @@ def test_length_moments_are_measured_per_request_and_refuse_mismatched_lengths()
     assert error.value.field == "output_tokens"
     with pytest.raises(InvalidArgumentError):
         LengthMoments.measured([], [])
+
+
+def test_length_moments_are_those_of_the_latest_requests_whatever_the_rate() -> None:
+    def observation(i: int, rate: float, prompt: float, cubed: float = 0.0) -> ScalingObservation:
+        return ScalingObservation(
+            now_s=i * INTERVAL_S, deployment="d", interval_s=INTERVAL_S,
+            arrival_rates_per_s=(rate,), mean_prompt_tokens=prompt, mean_output_tokens=OUTPUT,
+            mean_squared_prompt_tokens=prompt * prompt, mean_cubed_prompt_tokens=cubed,
+            prefill=FluidPool(num_ready=1).observe(), decode=FluidPool(num_ready=1).observe(),
+            cold_start_s=COLD_START_S)
+
+    smoothed = DemandForecaster(AutoscalerConfig())
+    latest = DemandForecaster(AutoscalerConfig(length_memory_requests=0.0))
+    # The first observation is taken as it is.
+    for forecaster in (smoothed, latest):
+        forecaster.observe(observation(1, 1.0, 1_000.0, 1e9))
+        assert forecaster.mean_prompt_tokens == 1_000.0
+        assert forecaster.mean_cubed_prompt_tokens == 1e9
+    # 60 requests an interval whose mean prompt swings 1,000 / 3,000 (sampling noise): the
+    # moments of the last ~2,000 requests hardly move; the latest interval's follow each swing.
+    swings = []
+    for i in range(2, 122):
+        prompt = 3_000.0 if i % 2 else 1_000.0
+        smoothed.observe(observation(i, 1.0, prompt, 1e9))
+        latest.observe(observation(i, 1.0, prompt, 1e9))
+        assert latest.mean_prompt_tokens == prompt
+        swings.append(smoothed.mean_prompt_tokens)
+    assert max(abs(b - a) for a, b in itertools.pairwise(swings)) < 100.0  # of a 2,000 swing
+    assert 1_800.0 < swings[-1] < 2_200.0
+    # A repeated observation (the same interval) teaches nothing.
+    before = smoothed.mean_prompt_tokens
+    smoothed.observe(observation(121, 1.0, 9_000.0, 1e9))
+    assert smoothed.mean_prompt_tokens == before
+    # At 100 requests/s (6,000 an interval) a change of lengths is followed within 3 intervals.
+    for i in range(122, 125):
+        smoothed.observe(observation(i, 100.0, 8_000.0, 1e9))
+    assert smoothed.mean_prompt_tokens == pytest.approx(8_000.0, rel=0.03)
+    # A moment the observation does not know is unknown from then on (not a stale blend).
+    smoothed.observe(observation(125, 100.0, 8_000.0, 0.0))
+    assert smoothed.mean_cubed_prompt_tokens == 0.0
+    with pytest.raises(InvalidArgumentError) as error:
+        AutoscalerConfig(length_memory_requests=-1.0)
+    assert error.value.field == "length_memory_requests"

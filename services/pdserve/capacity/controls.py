@@ -25,9 +25,15 @@ class AutoscalerConfig:
     ``scale_down_margin``: how far below (a fraction of the need), the hysteresis band, widened
     to ``scale_down_noise_multiple`` times the rate's relative one-interval noise when that is
     larger (noisier demand needs a wider band not to flap). ``surge_horizon_s`` None projects a
-    detected surge over the whole lead. The defaults were chosen on ``bench/autoscale.py``'s day
-    (several seeds): they trade GPU-hours against the share of a +60% burst the running
-    instances absorb before new ones are ready.
+    detected surge over the whole lead. The defaults above were chosen on
+    ``bench/autoscale.py``'s day (several seeds): they trade GPU-hours against the share of a
+    +60% burst the running instances absorb before new ones are ready.
+
+    ``length_memory_requests``: the request lengths' moments are those of about this many of
+    the latest requests (weighted by arrivals; 0: the latest interval's alone), so that their
+    sampling noise does not depend on the rate; 2,000 keeps the decode need's noise from a
+    long-tailed prompt distribution near 4% (see ``DemandForecaster._learn_lengths``) and
+    takes half of a change of lengths within a minute at 30 requests per second.
     """
 
     sizing: SizingConfig = SizingConfig()
@@ -46,6 +52,7 @@ class AutoscalerConfig:
     scale_down_margin: float = 0.05
     scale_down_noise_multiple: float = 1.5
     max_scale_down_fraction: float = 0.1
+    length_memory_requests: float = 2000.0
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "damping", "headroom_quantile"):
@@ -53,7 +60,8 @@ class AutoscalerConfig:
             if not 0.0 < value <= 1.0:
                 raise InvalidArgumentError(f"{name} must be in (0, 1], got {value}", field=name)
         for name in ("min_headroom_fraction", "initial_headroom_fraction", "scale_down_delay_s",
-                     "scale_down_margin", "scale_down_noise_multiple", "max_scale_down_fraction"):
+                     "scale_down_margin", "scale_down_noise_multiple", "max_scale_down_fraction",
+                     "length_memory_requests"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidArgumentError(f"{name} must be >= 0, got {value}", field=name)

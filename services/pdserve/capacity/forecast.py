@@ -119,19 +119,19 @@ class DemandForecaster:
         self._recent: deque[float] = deque(maxlen=max(2, config.surge_window))
         self._last_now_s: float | None = None
         self.mean_prompt_tokens = 0.0
-        """Mean prompt length of the latest interval that had arrivals (0 before any)."""
+        """Mean prompt length of the latest requests (0 before any; see ``_learn_lengths``)."""
         self.mean_output_tokens = 0.0
-        """Mean output length of the latest interval that had arrivals (0 before any)."""
+        """Mean output length of the latest requests (0 before any)."""
         self.mean_squared_prompt_tokens = 0.0
-        """Mean squared prompt length of that interval (0 before any, or when not observed)."""
+        """Their mean squared prompt length (0 before any, or when not observed)."""
         self.mean_cubed_prompt_tokens = 0.0
         self.mean_squared_output_tokens = 0.0
         self.mean_prompt_output_tokens = 0.0
-        """The other moments of that interval (0 before any, or when not observed)."""
+        """Their other moments (0 before any, or when not observed)."""
 
     def observe(self, observation: ScalingObservation) -> None:
         """Learn the intervals ``observation`` adds to what was seen (none if it repeats the
-        last one) and its mean lengths."""
+        last one) and its lengths' moments."""
         rates = observation.arrival_rates_per_s
         if self._last_now_s is None:
             new = rates
@@ -142,16 +142,46 @@ class DemandForecaster:
             new = rates[-max(1, min(len(rates), round(elapsed))):] if rates else ()
         for rate in new:
             self._learn(max(0.0, float(rate)))
-        if self._last_now_s is None or observation.now_s > self._last_now_s:
+        is_new = self._last_now_s is None or observation.now_s > self._last_now_s
+        if is_new:
             self._last_now_s = observation.now_s
+            num_requests = sum(max(0.0, float(rate)) for rate in new) * observation.interval_s
+            self._learn_lengths(observation, num_requests)
+
+    def _learn_lengths(self, observation: ScalingObservation, num_requests: float) -> None:
+        """Blend the observation's moments (those of ``num_requests`` new requests) into the
+        running ones, weighted by requests: ``num / (num + length_memory_requests)``, so the
+        moments are those of about the last ``length_memory_requests`` requests whatever the
+        rate (the first observation, or a memory of 0, takes them as they are). One interval's
+        moments are noisy where prompts have a long tail: on the Mooncake conversation trace
+        the decode need from 60 requests' moments has a 27% standard deviation, from 2,000
+        requests' 4% (resampled; Llama-3.1-70B at TP4 on H100). A moment the observation does
+        not know (0) is unknown from then on."""
+        memory = self.config.length_memory_requests
+
+        def blend(current: float, observed: float, weight: float) -> float:
+            if observed <= 0:
+                return 0.0
+            return observed if current <= 0 else current + weight * (observed - current)
+
         if observation.mean_prompt_tokens > 0:
-            self.mean_prompt_tokens = observation.mean_prompt_tokens
-            self.mean_squared_prompt_tokens = observation.mean_squared_prompt_tokens
-            self.mean_cubed_prompt_tokens = observation.mean_cubed_prompt_tokens
+            weight = (1.0 if self.mean_prompt_tokens <= 0 or memory <= 0
+                      else num_requests / (num_requests + memory))
+            self.mean_prompt_tokens = blend(self.mean_prompt_tokens,
+                                            observation.mean_prompt_tokens, weight)
+            self.mean_squared_prompt_tokens = blend(
+                self.mean_squared_prompt_tokens, observation.mean_squared_prompt_tokens, weight)
+            self.mean_cubed_prompt_tokens = blend(
+                self.mean_cubed_prompt_tokens, observation.mean_cubed_prompt_tokens, weight)
         if observation.mean_output_tokens > 0:
-            self.mean_output_tokens = observation.mean_output_tokens
-            self.mean_squared_output_tokens = observation.mean_squared_output_tokens
-            self.mean_prompt_output_tokens = observation.mean_prompt_output_tokens
+            weight = (1.0 if self.mean_output_tokens <= 0 or memory <= 0
+                      else num_requests / (num_requests + memory))
+            self.mean_output_tokens = blend(self.mean_output_tokens,
+                                            observation.mean_output_tokens, weight)
+            self.mean_squared_output_tokens = blend(
+                self.mean_squared_output_tokens, observation.mean_squared_output_tokens, weight)
+            self.mean_prompt_output_tokens = blend(
+                self.mean_prompt_output_tokens, observation.mean_prompt_output_tokens, weight)
 
     def _learn(self, rate: float) -> None:
         self._recent.append(rate)
