@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,59 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         mark = _MARK_BY_DIR.get(parts[0]) if parts else None
         if mark:
             item.add_marker(getattr(pytest.mark, mark))
+    # The longest work first (see _scope_of): the vLLM folder, then the services, then the
+    # unit tests, which fill the workers' last gaps. A stable sort: each folder keeps its order.
+    items.sort(key=lambda item: _RUN_ORDER.get(_top_folder(item), len(_RUN_ORDER)))
+
+
+# -- parallel runs: pytest-xdist (``-n auto --dist loadscope`` in pyproject.toml) -------------
+
+_RUN_ORDER = {"vllm_engine": 0, "e2e": 1, "integration": 2, "unit": 3}
+_SERIAL_FOLDERS = frozenset({"vllm_engine"})
+"""Folders whose tests all run on one worker, one after another: each vLLM module's engines
+keep this machine's cores busy on their own, so two of them side by side only slow each other."""
+MAX_WORKERS = 4
+"""``-n auto``'s ceiling: every e2e module leases one of 12 logical Redis databases, and the
+service processes of many modules at once would outgrow a small machine's memory."""
+
+
+def _top_folder(item: pytest.Item) -> str:
+    parts = Path(str(item.fspath)).relative_to(ROOT / "tests").parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _scope_of(nodeid: str) -> str:
+    """The unit of work one xdist worker takes whole: a module (its module-scoped fixtures start
+    real services once), or a whole folder of ``_SERIAL_FOLDERS``."""
+    folder = nodeid.split("/", 2)[1] if nodeid.startswith("tests/") else ""
+    if folder in _SERIAL_FOLDERS:
+        return f"tests/{folder}"
+    return nodeid.split("::", 1)[0]
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist absent: serial runs, as before
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class _ModuleScheduling(LoadScopeScheduling):
+        """xdist's ``loadscope``, in collection order, with ``_scope_of``'s units."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope_of(nodeid)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        if config.getoption("dist") != "loadscope":
+            return None  # another --dist asked for: xdist's own
+        config.option.loadscopereorder = False
+        return _ModuleScheduling(config, log)
+
+    def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+        if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+            return None  # the operator's count: xdist's own reading of it
+        return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
 
 
 def _docker_reachable() -> bool:

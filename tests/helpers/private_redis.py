@@ -9,6 +9,7 @@ restart at will (unlike the shared Redis that ``redis_url`` names, which tests n
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -42,6 +43,22 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _worker_slice(low: int, high: int) -> tuple[int, int]:
+    """This process's share of ``[low, high)``: all of it, or under pytest-xdist (``-n``) the
+    worker's own slice, so that two workers never pick the same port (each one's record of the
+    ports it handed out is its own)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    try:
+        index = int(worker.removeprefix("gw"))
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    except ValueError:
+        return low, high
+    if not 0 <= index < count:
+        return low, high
+    width = (high - low) // count
+    return low + index * width, low + (index + 1) * width
+
+
 def free_port() -> int:
     """A loopback port that nothing holds now and that a server started later can still bind.
 
@@ -49,12 +66,13 @@ def free_port() -> int:
     outgoing connection also takes its local port: a test that picks ports first and starts its
     servers one by one (or restarts a killed server on its old port) would now and then find one
     taken by some client's connection (seen in CI as "Address already in use"). So this picks
-    below that range, at random, never the same port twice in one test run, and falls back to
-    ``bind(0)`` only where the range leaves no room below it."""
-    ephemeral_start = _ephemeral_range_start()
-    if ephemeral_start - _LOWEST_PORT >= 1_000:
+    below that range, at random (in the pytest-xdist worker's own slice of it), never the same
+    port twice in one test run, and falls back to ``bind(0)`` only where the range leaves no
+    room below it."""
+    low, high = _worker_slice(_LOWEST_PORT, _ephemeral_range_start())
+    if high - low >= 1_000:
         for _ in range(1_000):
-            port = random.randrange(_LOWEST_PORT, ephemeral_start)
+            port = random.randrange(low, high)
             if port not in _HANDED_OUT and _bindable(port):
                 _HANDED_OUT.add(port)
                 return port

@@ -30,3 +30,17 @@ def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch) -> None:
         picks = iter([taken, taken, spare])
         monkeypatch.setattr(private_redis.random, "randrange", lambda low, high: next(picks))
         assert free_port() == spare
+
+
+def test_pytest_xdist_workers_pick_from_disjoint_slices(monkeypatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    slices = []
+    for index in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{index}")
+        slices.append(private_redis._worker_slice(10_000, 31_000))
+    assert slices == [(10_000, 17_000), (17_000, 24_000), (24_000, 31_000)]
+    monkeypatch.setattr(private_redis, "_ephemeral_range_start", lambda: 31_000)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    assert all(17_000 <= free_port() < 24_000 for _ in range(50))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert private_redis._worker_slice(10_000, 31_000) == (10_000, 31_000)
