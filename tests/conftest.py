@@ -50,15 +50,17 @@ def _top_folder(item: pytest.Item) -> str:
 def _scope_of(nodeid: str) -> str:
     """The unit of work one xdist worker takes whole: a module (its module-scoped fixtures start
     real services once), or a whole folder of ``_SERIAL_FOLDERS``."""
-    folder = nodeid.split("/", 2)[1] if nodeid.startswith("tests/") else ""
-    if folder in _SERIAL_FOLDERS:
-        return f"tests/{folder}"
-    return nodeid.split("::", 1)[0]
+    path = nodeid.split("::", 1)[0]
+    folders = path.split("/")[:-1]
+    for depth, folder in enumerate(folders):
+        if folder in _SERIAL_FOLDERS:
+            return "/".join(folders[:depth + 1])
+    return path
 
 
 try:
     from xdist.scheduler import LoadScopeScheduling
-except ImportError:  # pytest-xdist absent: serial runs, as before
+except ImportError:  # without pytest-xdist (and `-o addopts=`): serial runs, as before
     LoadScopeScheduling = None
 
 if LoadScopeScheduling is not None:

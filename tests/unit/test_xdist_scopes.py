@@ -1,0 +1,34 @@
+"""The suite's pytest-xdist work units (tests/conftest.py): what one worker takes whole."""
+
+from __future__ import annotations
+
+import conftest
+
+
+def test_a_module_is_one_unit_and_the_vllm_folder_is_one_unit() -> None:
+    assert conftest._scope_of("tests/e2e/test_chaos_short.py::test_every_fault") == \
+        "tests/e2e/test_chaos_short.py"
+    # A class's tests stay with their module (its module-scoped fixtures start services once).
+    assert conftest._scope_of("tests/unit/test_x.py::TestA::test_b[1]") == "tests/unit/test_x.py"
+    vllm = {conftest._scope_of(f"tests/vllm_engine/{module}::test_a")
+            for module in ("test_stack.py", "test_stack_nixl.py", "test_handoff.py")}
+    assert vllm == {"tests/vllm_engine"}
+    # Node ids relative to another root (pytest run from inside tests/) group the same way.
+    assert conftest._scope_of("vllm_engine/test_stack.py::test_a") == "vllm_engine"
+
+
+def test_the_longest_folders_run_first() -> None:
+    order = sorted(["unit", "integration", "e2e", "vllm_engine"], key=conftest._RUN_ORDER.get)
+    assert order == ["vllm_engine", "e2e", "integration", "unit"]
+
+
+def test_auto_worker_count_is_capped(monkeypatch) -> None:
+    if not hasattr(conftest, "pytest_xdist_auto_num_workers"):
+        return  # pytest-xdist absent
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert conftest.pytest_xdist_auto_num_workers(None) == conftest.MAX_WORKERS
+    monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid: {0})
+    assert conftest.pytest_xdist_auto_num_workers(None) == 1
+    monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "7")
+    assert conftest.pytest_xdist_auto_num_workers(None) is None
