@@ -22,8 +22,7 @@ _MARK_BY_DIR = {"integration": "integration", "e2e": "e2e"}
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        parts = Path(str(item.fspath)).relative_to(ROOT / "tests").parts
-        mark = _MARK_BY_DIR.get(parts[0]) if parts else None
+        mark = _MARK_BY_DIR.get(_top_folder(item))
         if mark:
             item.add_marker(getattr(pytest.mark, mark))
     # The longest work first (see _scope_of): the vLLM folder, then the services, then the
@@ -36,13 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _RUN_ORDER = {"vllm_engine": 0, "e2e": 1, "integration": 2, "unit": 3}
 _SERIAL_FOLDERS = frozenset({"vllm_engine"})
 """Folders whose tests all run on one worker, one after another: each vLLM module's engines
-keep this machine's cores busy on their own, so two of them side by side only slow each other."""
+keep this machine's cores busy on their own, so two of them side by side only slow each other
+(and one process keeps ``stack_support``'s session cache of reference outputs)."""
 MAX_WORKERS = 4
 """``-n auto``'s ceiling: every e2e module leases one of 12 logical Redis databases, and the
 service processes of many modules at once would outgrow a small machine's memory."""
 
 
 def _top_folder(item: pytest.Item) -> str:
+    """The folder under ``tests/`` that holds the item's module ("" for one directly there)."""
     parts = Path(str(item.fspath)).relative_to(ROOT / "tests").parts
     return parts[0] if len(parts) > 1 else ""
 
