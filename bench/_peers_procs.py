@@ -52,6 +52,8 @@ class Started:
     """pdserve only: the router's gRPC address."""
     pool_address: str = ""
     """pdserve only: the decode pool manager's gRPC address."""
+    store_url: str = ""
+    """The floor only: its private Redis."""
     parts: dict[str, list[int]] = field(default_factory=dict)
     """Named parts of ``pids`` (a service, Redis, PostgreSQL) for a per-process CPU breakdown;
     empty where the system is one process or its parts are not told apart."""
@@ -302,6 +304,67 @@ def start_pdserve_redis(work: Path, worker_args: tuple[str, ...] = WORKER_ARGS,
 
 
 # -- installing the peers ------------------------------------------------------------------------
+
+
+def _sim_kv_shape(model: str) -> tuple[int, int]:
+    """(layers, KV bytes of one block in one layer) as the sim engine moves them at its default
+    scale (its own arithmetic on the catalog, without building an engine and its KV buffers)."""
+    from pdserve.perf.catalog import get_gpu, get_model
+    from pdserve.perf.kv_budget import CapacityConfig, capacity_report
+    from pdserve.worker.engines.sim import SimConfig
+
+    sim = SimConfig(model=model)
+    card = get_model(model)
+    report = capacity_report(card, get_gpu(sim.gpu), CapacityConfig(
+        tp_size=sim.tp_size, block_size_tokens=sim.block_size_tokens,
+        gpu_memory_utilization=sim.gpu_memory_utilization))
+    block_nbytes = max(16, int(report.block_bytes // card.num_layers * sim.kv_scale) // 16 * 16)
+    return card.num_layers, block_nbytes
+
+
+def _wait_ready(log: Path, process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log.exists() and "ready" in log.read_text(errors="replace"):
+            return
+        if process.poll() is not None:
+            raise RuntimeError(f"{log.stem} exited: {log.read_text(errors='replace')[-500:]}")
+        time.sleep(0.1)
+    raise RuntimeError(f"{log.stem} not ready after {timeout_s:.0f} s")
+
+
+def start_floor(work: Path) -> Started:
+    """The floor of pdserve's topology (``bench/_path_floor.py``): its four processes on a
+    private Redis, each doing only its hop's transport work."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    from e2e.faults import MODEL
+    from helpers.private_redis import PrivateRedis
+
+    work.mkdir(parents=True, exist_ok=True)
+    started = Started("", MODEL, [])
+    (work / "redis").mkdir()
+    redis = PrivateRedis(work / "redis")
+    redis.start()
+    started.stops.append(redis.stop)
+    ports = [free_port() for _ in range(5)]
+    num_layers, block_nbytes = _sim_kv_shape(MODEL)
+    common = ["--redis-url", redis.url, "--ports", ",".join(map(str, ports)),
+              "--block-nbytes", str(block_nbytes), "--num-layers", str(num_layers),
+              "--model", MODEL]
+    for role in ("coordinator", "decode", "prefill", "router"):
+        log = work / f"floor-{role}.log"
+        process = _popen([sys.executable, str(HERE / "_path_floor.py"), role, *common], log)
+        started.stops.append(_stopper(process))
+        _wait_ready(log, process)
+        started.parts[role] = [process.pid]
+    if redis._process is not None:  # noqa: SLF001 - its pid, for the CPU count
+        started.parts["redis"] = [redis._process.pid]  # noqa: SLF001
+    started.pids = [pid for pids in started.parts.values() for pid in pids]
+    started.base_url = f"http://127.0.0.1:{ports[4]}"
+    started.store_url = redis.url
+    wait_http(started.base_url + "/health", 30)
+    return started
 
 
 def install_peers() -> None:

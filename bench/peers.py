@@ -9,7 +9,11 @@ off so every pdserve request is disaggregated, tracing off):
   network namespace (if installed; needs ``ip netns``, i.e. root);
 - ``pdserve_redis``: every pdserve service its own process on a private Redis and PostgreSQL
   (the real deployment shape), sim workers at ``--speedup 1e9``;
-- ``pdserve_memory``: ``pdserve up`` with its in-memory state.
+- ``pdserve_memory``: ``pdserve up`` with its in-memory state;
+- ``floor``: pdserve's topology with nothing but its transport work (``bench/_path_floor.py``:
+  router, coordinator, prefill and decode worker as four Python processes on a private Redis,
+  the same gRPC calls, Redis scripts and KV bytes per request, none of pdserve's guarantees):
+  the least CPU per request that trimming pdserve's own code could reach in this shape.
 
 One closed-loop OpenAI HTTP load generator (aiohttp, in this process) runs against each, in
 interleaved rounds: concurrency 1 and 16, streaming and not, keep-alive and a new connection per
@@ -24,7 +28,8 @@ see the project's research notes on running the peers); without it, peers that a
 installed there are skipped (their JSON values are null). The sim engine's KV is scaled as the
 bench prints. Last line: one JSON object with ``pdserve_redis_c1_p50_ms``, ``dynamo_c1_p50_ms``,
 ``pdserve_redis_c16_rps``, ``dynamo_c16_rps``, ``vllm_router_c16_rps``,
-``pdserve_cpu_ms_per_request`` (and more); c1 p50 and c16 req/s are of the streaming,
+``pdserve_cpu_ms_per_request``, ``floor_cpu_ms_per_request``, ``pdserve_redis_cpu_over_floor``
+(and more); c1 p50 and c16 req/s are of the streaming,
 keep-alive shape, and ``<system>_c1_p50_ms_best_shape`` is each system's lowest c1 p50 over the
 four shapes (Dynamo's streaming keep-alive shape stalls ~40 ms a request here, which would
 flatter any comparison made on that shape alone).
@@ -56,6 +61,7 @@ from _peers_procs import (  # noqa: E402 - after the path set-up
     install_peers,
     start_direct,
     start_dynamo,
+    start_floor,
     start_pdserve_memory,
     start_pdserve_redis,
     start_vllm_router,
@@ -278,15 +284,18 @@ def report(systems: list[str], cells: dict[tuple[str, tuple[int, bool, bool]], C
         return round(cpu_ms[name], 3) if name in cpu_ms else None
 
     result: dict[str, object] = {}
-    for name in ("pdserve_redis", "pdserve_memory", "dynamo", "vllm_router", "direct"):
+    for name in ("pdserve_redis", "pdserve_memory", "dynamo", "vllm_router", "direct", "floor"):
         result[f"{name}_c1_p50_ms"] = p50(name)
         result[f"{name}_c1_p50_ms_best_shape"] = best_c1_p50(name)
         result[f"{name}_c16_rps"] = rps(name)
         if name != "direct":
             result[f"{name}_cpu_ms_per_request"] = cpu(name)
     result["pdserve_cpu_ms_per_request"] = cpu("pdserve_redis")
-    result["pdserve_redis_cpu_ms_by_process"] = {
-        part: round(ms, 3) for part, ms in (part_ms or {}).get("pdserve_redis", {}).items()}
+    for name in ("pdserve_redis", "floor"):
+        result[f"{name}_cpu_ms_by_process"] = {
+            part: round(ms, 3) for part, ms in (part_ms or {}).get(name, {}).items()}
+    ours, floor = cpu("pdserve_redis"), cpu("floor")
+    result["pdserve_redis_cpu_over_floor"] = round(ours / floor, 2) if ours and floor else None
     return result
 
 
@@ -302,6 +311,7 @@ async def _main(args: argparse.Namespace) -> dict[str, object]:
         ("dynamo", start_dynamo),
         ("pdserve_redis", start_pdserve_redis),
         ("pdserve_memory", start_pdserve_memory),
+        ("floor", start_floor),
     ]
     only = set(args.systems.split(",")) if args.systems else None
     try:
@@ -337,7 +347,7 @@ def main() -> None:
                         help=f"install vllm-router and Dynamo into {PEERS_DIR} first")
     parser.add_argument("--systems", default="",
                         help="comma-separated subset (direct,vllm_router,dynamo,pdserve_redis,"
-                             "pdserve_memory); default all")
+                             "pdserve_memory,floor); default all")
     parser.add_argument("--shapes", default="",
                         help="comma-separated subset of the shapes, as the table names them "
                              "with dashes (e.g. c16-stream-keep,c1-whole-new); default all. CPU "
