@@ -12,8 +12,9 @@ directions, as a fleet mid-upgrade has every pairing at once:
 
 1. old prefill -> new decode: the new receiver announces frame versions 1 and 2, the old sender
    writes version 1, the new receiver serves it;
-2. the old prefill worker is replaced by a new one: new -> new runs at version 2 (DONE carries
-   the sender's KV CRC-32, checked by the receiver);
+2. the old prefill worker is replaced by a new one: new -> new runs at the release's highest
+   version (3 where the CPU has a hardware CRC-32C, else 2: DONE carries the sender's KV
+   checksum, CRC-32C or CRC-32, checked by the receiver);
 3. the decode worker is replaced by one of the previous release (a rollback): the new sender
    finds no announced versions and writes version 1.
 
@@ -40,6 +41,7 @@ import pytest
 from pdserve.api.v1 import common_pb2 as pb
 from pdserve.api.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.common.types import WorkerRole
+from pdserve.worker.transports.frames import FRAME_VERSIONS
 
 from .conftest import ServiceProcess, run_cli
 from .test_token_exact import DEPLOYMENT, JOIN_TOKEN, MAX_TOKENS, TinyShape, TinyStack
@@ -201,7 +203,7 @@ async def test_old_and_new_workers_hand_over_kv_and_serve_token_exact(
     await stack.start_worker(WorkerRole.PREFILL, "old")
     new_info = (await stack.status("decode-new")).worker
     old_info = (await stack.status("prefill-old")).worker
-    assert new_info.software_version and list(new_info.kv_frame_versions) == [1, 2]
+    assert new_info.software_version and list(new_info.kv_frame_versions) == list(FRAME_VERSIONS)
     assert old_info.software_version == "" and not old_info.kv_frame_versions  # really the old
     status = await asyncio.to_thread(run_cli, ["status", "--address", stack.address])
     assert status.returncode == 0, status.stderr
@@ -220,7 +222,7 @@ async def test_old_and_new_workers_hand_over_kv_and_serve_token_exact(
         assert sent.crc32 == landed.crc32 and sent.num_blocks == landed.num_blocks
         assert landed.kv_frame_version == 1 and sent.kv_frame_version == 0  # old: no such field
 
-    # 2. The prefill worker upgraded: new -> new at version 2.
+    # 2. The prefill worker upgraded: new -> new at this release's highest version.
     await stack.stop_worker("prefill-old")
     await stack.start_worker(WorkerRole.PREFILL, "new")
     outputs = await _remote_outputs(stack, prompts, "prefill-new", "decode-new")
@@ -229,7 +231,7 @@ async def test_old_and_new_workers_hand_over_kv_and_serve_token_exact(
     assert len(handoffs) == len(prompts)
     for sent, landed in handoffs:
         assert sent.crc32 == landed.crc32
-        assert sent.kv_frame_version == landed.kv_frame_version == 2
+        assert sent.kv_frame_version == landed.kv_frame_version == FRAME_VERSIONS[-1]
 
     # 3. The decode worker rolled back to the previous release: new -> old at version 1.
     await stack.stop_worker("decode-new")

@@ -93,7 +93,7 @@ def test_hand_built_header_is_accepted() -> None:
     ("overrides", "message"),
     [
         ({"magic": b"PDKW"}, "magic"),
-        ({"version": 3}, "version"),
+        ({"version": 4}, "version"),
         ({"version": 0}, "version"),
         ({"frame_type": 0}, "frame type"),
         ({"frame_type": 8}, "frame type"),

@@ -4,7 +4,8 @@ this release serves senders of either version (a fleet mid-upgrade).
 - ``negotiate_frame_version``: the highest common version; a destination that announces none
   (an older receiver) gets version 1; no common version is a clear error naming the field.
 - Version 2's one addition, DONE's ``KV_CRC32`` flag: encoded and decoded; refused in a version 1
-  frame and on any other frame type.
+  frame and on any other frame type. Version 3's, that checksum as a CRC-32C (spoken where the
+  CPU computes it in hardware): both sides compute it, a version 2 peer still gets CRC-32.
 - Over real sockets: a sender writes every frame of a ticket at the negotiated version and the
   receiver answers at that version (raw bytes of a version 1 sender are served exactly as an
   older release's receiver would); at version 2 both sides agree on the KV's CRC-32, and KV that
@@ -16,15 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
 from collections.abc import AsyncIterator
 
+import crc32c
 import numpy as np
 import pytest
 
 from pdserve.common.errors import InvalidArgumentError
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache, KvLayout
-from pdserve.worker.kv_checksums import kv_checksum
+from pdserve.worker.kv_checksums import HAS_FAST_CRC32C, crc_kind_for, kv_checksum
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.frames import (
     FLAG_KV_CRC32,
@@ -53,6 +56,9 @@ from pdserve.worker.transports.values import (
     TransferPoll,
 )
 
+CHECKED_VERSIONS = [(1, 2), pytest.param((1, 2, 3), marks=pytest.mark.skipif(
+    not HAS_FAST_CRC32C, reason="no hardware CRC-32C here: version 3 is not spoken"))]
+"""What destinations announce for a handoff checked at DONE: CRC-32 (2), CRC-32C (3)."""
 LAYOUT = KvLayout(num_layers=3, num_blocks=32, block_size_tokens=16, block_nbytes=1024)
 LIMITS = FrameLimits(block_nbytes=LAYOUT.block_nbytes, num_blocks=LAYOUT.num_blocks,
                      num_layers=LAYOUT.num_layers)
@@ -70,6 +76,8 @@ WAIT_S = 10.0
     ((2,), 2),
     ((2, 1), 2),
     ((1, 2, 7), 2),  # a newer receiver: the highest version this sender speaks
+    ((1, 2, 3), FRAME_VERSIONS[-1]),
+    ((1, 2, 3, 7), FRAME_VERSIONS[-1]),
 ])
 def test_a_sender_writes_the_highest_version_both_sides_speak(
         announced: tuple[int, ...], expected: int) -> None:
@@ -84,8 +92,8 @@ def test_no_common_version_is_an_error_naming_the_field() -> None:
     assert "[7, 8]" in caught.value.message
 
 
-def test_this_release_reads_versions_1_and_2() -> None:
-    assert FRAME_VERSIONS == (1, 2)
+def test_this_release_reads_versions_1_2_and_3_where_crc32c_is_in_hardware() -> None:
+    assert FRAME_VERSIONS == ((1, 2, 3) if HAS_FAST_CRC32C else (1, 2))
     assert TcpKvReceiver.frame_versions == FRAME_VERSIONS
     assert TcpBackend().frame_versions == FRAME_VERSIONS
 
@@ -140,8 +148,8 @@ def test_layer_frames_name_their_version() -> None:
 
 def test_an_unknown_version_is_refused() -> None:
     frame = bytearray(encode_frame(FrameType.ABORT, TOKEN, payload=b"x"))
-    frame[4] = 3
-    with pytest.raises(FrameError, match="version 3"):
+    frame[4] = 4
+    with pytest.raises(FrameError, match="version 4"):
         decode_header(bytes(frame[:HEADER_NBYTES]), LIMITS)
 
 
@@ -188,7 +196,10 @@ async def _rig() -> AsyncIterator[_Rig]:
         tcp_sender.close_sender_connections()
 
 
-@pytest.mark.parametrize(("announced", "version"), [((), 1), ((1,), 1), ((1, 2), 2)])
+@pytest.mark.parametrize(("announced", "version"), [
+    ((), 1), ((1,), 1), ((1, 2), 2),
+    pytest.param((1, 2, 3), 3, marks=pytest.mark.skipif(
+        not HAS_FAST_CRC32C, reason="no hardware CRC-32C here: version 3 is not spoken"))])
 async def test_a_handoff_runs_at_the_negotiated_version(announced: tuple[int, ...],
                                                         version: int) -> None:
     async with _rig() as rig:
@@ -202,27 +213,31 @@ async def test_a_handoff_runs_at_the_negotiated_version(announced: tuple[int, ..
         await sender.close()
         landed = await rig.receiver.wait(token, WAIT_S)
         assert sent.frame_version == landed.frame_version == version
-        expected_crc32 = kv_checksum(rig.cache_a, src)
-        assert kv_checksum(rig.cache_b, dst) == expected_crc32  # the KV itself arrived
+        kind = crc_kind_for(version)
+        expected_crc32 = kv_checksum(rig.cache_a, src, kind)
+        assert kv_checksum(rig.cache_b, dst, kind) == expected_crc32  # the KV itself arrived
         if version >= 2:  # checked at DONE, and handed to the audits on both sides
             assert sent.kv_crc32 == landed.kv_crc32 == expected_crc32
         else:
             assert sent.kv_crc32 is None and landed.kv_crc32 is None
 
 
-async def test_chunked_offers_checksum_the_destination_in_sequence_order() -> None:
+@pytest.mark.parametrize("versions", CHECKED_VERSIONS)
+async def test_chunked_offers_checksum_the_destination_in_sequence_order(
+        versions: tuple[int, ...]) -> None:
     async with _rig() as rig:
         src, dst = [5, 1, 9, 14], [20, 3, 11, 0]
         token = rig.ticket(dst)
         sender = rig.backend.create_sender(rig.cache_a)
-        await sender.open(rig.spec(dst, (1, 2)), token)
+        await sender.open(rig.spec(dst, versions), token)
         for layer in range(LAYOUT.num_layers):  # second half first: order must not matter
             await sender.offer_layer(layer, src[2:], dst[2:])
             await sender.offer_layer(layer, src[:2], dst[:2])
         sent = await sender.finish(7, 0.1)
         await sender.close()
         landed = await rig.receiver.wait(token, WAIT_S)
-        assert sent.kv_crc32 == landed.kv_crc32 == kv_checksum(rig.cache_a, src)
+        kind = crc_kind_for(versions[-1])
+        assert sent.kv_crc32 == landed.kv_crc32 == kv_checksum(rig.cache_a, src, kind)
 
 
 class _FlipsAByte:
@@ -265,12 +280,14 @@ async def _send_flipped(rig: _Rig, versions: tuple[int, ...], src: list[int], ds
         await sender.close()
 
 
-async def test_kv_that_differs_from_the_senders_is_refused_at_done() -> None:
+@pytest.mark.parametrize("versions", CHECKED_VERSIONS)
+async def test_kv_that_differs_from_the_senders_is_refused_at_done(
+        versions: tuple[int, ...]) -> None:
     async with _rig() as rig:
         src, dst = [2, 3], [30, 31]
         token = rig.ticket(dst)
         with pytest.raises(TransferFailedError, match="checksum_mismatch"):
-            await _send_flipped(rig, (1, 2), src, dst, token)
+            await _send_flipped(rig, versions, src, dst, token)
         assert rig.receiver.poll(token) is TransferPoll.FAILED
         assert [r.reason for r in rig.receiver.rejections if r.token == token] == [
             RejectReason.CHECKSUM_MISMATCH]
@@ -339,8 +356,14 @@ async def test_the_receiver_answers_each_sender_at_its_own_version(version: int)
             await peer.send(_hello(token, dst, version))  # with an ACK: answered at its version
             assert await peer.reply() == (version, FrameType.ACK, bytes([FrameType.HELLO]))
             await peer.send(_all_layers(token, dst, 0x5A, version))
+            # From version 2 DONE carries the KV's checksum in that version's algorithm
+            # (CRC-32, then CRC-32C), taken here over the bytes sent, not by pdserve's code.
+            sent = bytes([0x5A]) * (LAYOUT.num_layers * len(dst) * LAYOUT.block_nbytes)
+            crc = (None if version < 2 else zlib.crc32(sent) if version == 2
+                   else crc32c.crc32c(sent))
+            done = DonePayload(0, 0.0, LAYOUT.num_layers, kv_crc32=crc)
             await peer.send(encode_frame(FrameType.DONE, token, version=version,
-                                         payload=DonePayload(0, 0.0, LAYOUT.num_layers).encode()))
+                                         payload=done.encode(), flags=done.flags))
             assert await peer.reply() == (version, FrameType.ACK, bytes([FrameType.DONE]))
             # A refusal, too, is written at the refused frame's version.
             await peer.send(_hello(FencingToken.new(), [1, 2], version))
@@ -350,7 +373,7 @@ async def test_the_receiver_answers_each_sender_at_its_own_version(version: int)
         finally:
             await peer.close()
         result = await rig.receiver.wait(token, WAIT_S)
-        assert result.frame_version == version
+        assert (result.frame_version, result.kv_crc32) == (version, crc)
         assert all((rig.cache_b.layer_buffers[layer][dst] == 0x5A).all()
                    for layer in range(LAYOUT.num_layers))
 

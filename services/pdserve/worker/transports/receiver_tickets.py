@@ -30,6 +30,7 @@ from pdserve.common.errors import (
 )
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvLayout
+from pdserve.worker.kv_checksums import CrcKind, crc_kind_for
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.values import (
     FrameRefusedError,
@@ -142,11 +143,11 @@ class ReceiverTickets:
         *,
         max_finished: int = 4096,
         max_rejections: int = 1024,
-        kv_crc32_of: Callable[[np.ndarray], int] | None = None,
+        kv_crc32_of: Callable[[np.ndarray, CrcKind], int] | None = None,
     ) -> None:
-        """``kv_crc32_of(block_ids)``: the CRC-32 of every layer of those blocks as they are in
-        the receiver's memory (``kv_checksum``); without it a DONE's CRC cannot be checked and
-        is refused."""
+        """``kv_crc32_of(block_ids, kind)``: the checksum of every layer of those blocks as they
+        are in the receiver's memory (``kv_checksum``); without it a DONE's CRC cannot be
+        checked and is refused."""
         self.layout = layout
         self._kv_crc32_of = kv_crc32_of
         self.owner_table = owner_table
@@ -339,10 +340,11 @@ class ReceiverTickets:
                 if self._kv_crc32_of is None:
                     raise self._refusal(token, "DONE", 0, RejectReason.PROTOCOL,
                                         "this receiver cannot check a KV checksum")
-                landed = self._kv_crc32_of(ticket.dst_block_ids)
+                landed = self._kv_crc32_of(ticket.dst_block_ids, crc_kind_for(frame_version))
             if landed != kv_crc32:
                 raise self._refusal(token, "DONE", 0, RejectReason.CHECKSUM_MISMATCH,
-                                    f"sender's KV CRC-32 {kv_crc32:#010x}, landed "
+                                    f"sender's KV {crc_kind_for(frame_version).name} "
+                                    f"{kv_crc32:#010x}, landed "
                                     f"{landed:#010x}")
         ticket.frame_version, ticket.kv_crc32 = frame_version, kv_crc32
         ticket.done = (first_token_id, prefill_compute_s)

@@ -46,7 +46,8 @@ class EventKind(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class ConnectorEvent:
     """One event. ``token`` is ``str(FencingToken)``; ``crc32`` follows ``kv_checksum``'s
-    definition (every layer of the handoff's blocks, layer-major, blocks in sequence order);
+    definition (every layer of the handoff's blocks, layer-major, blocks in sequence order; a
+    CRC-32C where the handoff ran at tcp frame version 3, on both sides alike);
     ``block_crc32s`` is one CRC-32 per block over its layers in order, to find which block
     differs."""
 

@@ -64,7 +64,7 @@ from pdserve.worker.engines.vllm.protocol import (
     LoadSpec,
     SendSpec,
 )
-from pdserve.worker.kv_checksums import kv_checksum
+from pdserve.worker.kv_checksums import crc_kind_for, kv_checksum
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.base import KvReceiver, KvSender
 from pdserve.worker.transports.registry import TransportBackend, get_backend
@@ -428,7 +428,10 @@ class WorkerSide:
             await asyncio.wait_for(self._exchange.publish(token, destination),
                                    self._settings.rpc_timeout_s)
             result = await self._receiver.wait(token, spec.timeout_s)
-            crc = kv_checksum(self.kv_cache, spec.dst_block_ids)  # before vLLM may write again
+            # The checksum DONE carried, which the landed KV was checked against (tcp frame
+            # versions 2 and 3); else computed now, before vLLM may write into the blocks again.
+            crc = (result.kv_crc32 if result.kv_crc32 is not None else kv_checksum(
+                self.kv_cache, spec.dst_block_ids, crc_kind_for(result.frame_version)))
             self._events.emit(ConnectorEvent(
                 EventKind.RECEIVED, req_id=spec.req_id, token=str(token), crc32=crc,
                 block_crc32s=block_crc32s(self.kv_cache, spec.dst_block_ids),
@@ -524,10 +527,11 @@ class WorkerSide:
             crcs = block_crc32s(self.kv_cache, src_ids)
             result = await sender.finish(0, time.perf_counter() - job.started_s)
             timeline = LayerTimeline.of(job, done_s=time.perf_counter())
-            # The handoff's own checksum where it has one (tcp frame version 2: the CRC DONE
-            # carried); else computed here, after DONE (the blocks stay ours until the job ends).
-            crc = (result.kv_crc32 if result.kv_crc32 is not None
-                   else kv_checksum(self.kv_cache, src_ids))
+            # The handoff's own checksum where it has one (tcp frame versions 2 and 3: the one
+            # DONE carried); else computed here, after DONE (the blocks stay ours until the job
+            # ends), in the algorithm of the handoff's version, as the receiver does.
+            crc = (result.kv_crc32 if result.kv_crc32 is not None else kv_checksum(
+                self.kv_cache, src_ids, crc_kind_for(result.frame_version)))
             self._events.emit(ConnectorEvent(
                 EventKind.SENT, req_id=job.req_id, token=str(job.token), crc32=crc,
                 block_crc32s=crcs, num_blocks=len(src_ids), num_layers=result.num_layers,

@@ -18,7 +18,7 @@ import numpy as np
 from pdserve.common.errors import IllegalTransitionError
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
-from pdserve.worker.kv_checksums import LayerCrc
+from pdserve.worker.kv_checksums import LayerCrc, crc_kind_for
 from pdserve.worker.kv_owner import BlockOwnerTable
 from pdserve.worker.transports.addresses import format_address
 from pdserve.worker.transports.base import KvReceiver
@@ -306,7 +306,7 @@ class TcpKvReceiver(KvReceiver):
                     return True
                 self._bind(connection, token)
                 if header.version >= 2:
-                    self._track_crc(token, block_ids)
+                    self._track_crc(token, block_ids, header.version)
                 if not header.flags & FLAG_NO_ACK:
                     await self._reply(connection, _ack_frame(token, header))
             case FrameType.DONE:
@@ -359,11 +359,12 @@ class TcpKvReceiver(KvReceiver):
             if crc is not None:
                 crc.add(header.layer, num_layers, block_ids)
 
-    def _track_crc(self, token: FencingToken, block_ids: np.ndarray) -> None:
+    def _track_crc(self, token: FencingToken, block_ids: np.ndarray, version: int) -> None:
+        """Checksum the ticket's layers as they land, in the algorithm of its frames' version."""
         self._drop_crc(token)
         while len(self._crcs) >= MAX_TRACKED_CRCS:
             self._crcs.popitem(last=False)[1].close()
-        self._crcs[token] = LayerCrc(self.kv_cache, block_ids)
+        self._crcs[token] = LayerCrc(self.kv_cache, block_ids, kind=crc_kind_for(version))
 
     def _drop_crc(self, token: FencingToken) -> None:
         crc = self._crcs.pop(token, None)

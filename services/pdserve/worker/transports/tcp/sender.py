@@ -15,7 +15,7 @@ import numpy as np
 
 from pdserve.common.types import FencingToken
 from pdserve.worker.engine import KvCache
-from pdserve.worker.kv_checksums import LayerCrc
+from pdserve.worker.kv_checksums import LayerCrc, crc_kind_for
 from pdserve.worker.transports.addresses import parse_address
 from pdserve.worker.transports.base import KvSender
 from pdserve.worker.transports.block_views import coalesce_block_runs, layers_block_views
@@ -278,7 +278,8 @@ class TcpKvSender(KvSender):
     ``open`` sends HELLO and returns without waiting for an answer (NO_ACK): the layers follow
     at once. A refusal arrives as an ERROR; from then on ``offer_layer`` and ``finish`` raise.
     Every frame of the ticket goes at the version negotiated with the destination's
-    ``frame_versions``; at version 2 DONE carries the CRC-32 of the KV sent.
+    ``frame_versions``; at version 2 DONE carries the CRC-32 of the KV sent, at version 3 its
+    CRC-32C.
     """
 
     def __init__(self, kv_cache: KvCache, clock: MonotonicClock = time.perf_counter,
@@ -357,7 +358,7 @@ class TcpKvSender(KvSender):
             self._map_blocks(offers[0].src_block_ids, offers[0].dst_block_ids)
             assert self._dest is not None
             if self._crc is None:
-                self._crc = LayerCrc(self.kv_cache, src_ids)
+                self._crc = LayerCrc(self.kv_cache, src_ids, kind=crc_kind_for(self._version))
             is_whole = offers[0].dst_block_ids == tuple(self._dest.block_ids)
             for first, count in runs:
                 # Source blocks in destination order, as kv_checksum takes them; else the CRC
@@ -389,7 +390,8 @@ class TcpKvSender(KvSender):
             src_ids = [self._src_of_dst[block_id] for block_id in self._dest.block_ids]
         except KeyError:
             return None
-        crc, self._crc = self._crc or LayerCrc(self.kv_cache, src_ids), None
+        crc = self._crc or LayerCrc(self.kv_cache, src_ids, kind=crc_kind_for(self._version))
+        self._crc = None
         return await crc.result(src_ids)
 
     async def finish(self, first_token_id: int, prefill_compute_s: float) -> TransferResult:
