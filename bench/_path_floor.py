@@ -10,8 +10,8 @@ leases, fencing checks, admission, retries, audit, metrics or logging):
 - ``coordinator``: ``Open`` runs one Lua script (the ticket and the ledger reservation);
   ``Report`` runs one per ticket it carries (the release);
 - ``prefill``: ``Prefill`` sends the prompt's KV, one frame per layer, over a long-lived TCP
-  connection to the decode worker, a CRC-32 over each layer, and waits for the ack;
-- ``decode``: receives the frames (CRC-32 of each), acks, streams the tokens and reports the
+  connection to the decode worker, a CRC-32C over each layer, and waits for the ack;
+- ``decode``: receives the frames (CRC-32C of each), acks, streams the tokens and reports the
   ended tickets to the coordinator in batches (one call in flight, the rest waiting for it).
 
 gRPC calls use generic handlers on raw bytes (no protobuf), the same grpcio, uvloop, redis-py
@@ -35,10 +35,10 @@ import json
 import struct
 import time
 import uuid
-import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import crc32c
 import grpc
 import redis.asyncio as aioredis
 import uvloop
@@ -138,7 +138,7 @@ async def prefill(config: FloorConfig) -> None:
             writer = connection[0][1]
             crc = 0
             for layer in range(config.num_layers):
-                crc = zlib.crc32(payload, crc)
+                crc = crc32c.crc32c(payload, crc)
                 writer.write(_FRAME.pack(ticket_id, layer, len(payload)))
                 writer.write(payload)
             await writer.drain()
@@ -193,7 +193,7 @@ async def decode(config: FloorConfig) -> None:
             ticket_id, _, num_bytes = _FRAME.unpack(header)
             data = await reader.readexactly(num_bytes)
             landing = landings[ticket_id]
-            landing.crc = zlib.crc32(data, landing.crc)
+            landing.crc = crc32c.crc32c(data, landing.crc)
             landing.num_layers += 1
             if landing.num_layers == config.num_layers:
                 writer.write(ticket_id)

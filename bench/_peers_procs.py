@@ -303,9 +303,6 @@ def start_pdserve_redis(work: Path, worker_args: tuple[str, ...] = WORKER_ARGS,
     return started
 
 
-# -- installing the peers ------------------------------------------------------------------------
-
-
 def _sim_kv_shape(model: str) -> tuple[int, int]:
     """(layers, KV bytes of one block in one layer) as the sim engine moves them at its default
     scale (its own arithmetic on the catalog, without building an engine and its KV buffers)."""
@@ -365,6 +362,9 @@ def start_floor(work: Path) -> Started:
     started.store_url = redis.url
     wait_http(started.base_url + "/health", 30)
     return started
+
+
+# -- installing the peers ------------------------------------------------------------------------
 
 
 def install_peers() -> None:

@@ -12,8 +12,10 @@ off so every pdserve request is disaggregated, tracing off):
 - ``pdserve_memory``: ``pdserve up`` with its in-memory state;
 - ``floor``: pdserve's topology with nothing but its transport work (``bench/_path_floor.py``:
   router, coordinator, prefill and decode worker as four Python processes on a private Redis,
-  the same gRPC calls, Redis scripts and KV bytes per request, none of pdserve's guarantees):
-  the least CPU per request that trimming pdserve's own code could reach in this shape.
+  per request the gRPC calls pdserve makes (open, decode stream, prefill, batched reports), a
+  Redis read and two Lua scripts (pdserve runs three), the same KV bytes in per-layer frames with
+  a CRC on each side, and none of pdserve's guarantees): about the least CPU per request that
+  trimming pdserve's own code could reach in this shape.
 
 One closed-loop OpenAI HTTP load generator (aiohttp, in this process) runs against each, in
 interleaved rounds: concurrency 1 and 16, streaming and not, keep-alive and a new connection per

@@ -125,9 +125,9 @@ def _crc_of_layers(kv_cache: KvCache, ids: np.ndarray, first: int, count: int, c
 INLINE_CRC_NBYTES = 256 * 1024
 """A step of a ``LayerCrc`` over at most this many bytes of host memory runs on the event loop
 (zlib's CRC-32 does ~4 GB/s on one x86 server core: about 60 us at most; CRC-32C a quarter of
-that): handing it to a
-thread costs more than that in task, executor and wake-up overhead (and a loop iteration of
-latency). Larger steps (a real model's layers: megabytes) go to the thread."""
+that): handing it to a thread costs more than that in task, executor and wake-up overhead (and
+a loop iteration of latency). Larger steps (a real model's layers: megabytes) go to the
+thread."""
 
 
 class LayerCrc:
