@@ -255,6 +255,12 @@ def _mtime(path: Path) -> float:
 _STOP = object()
 
 
+def _resolve_all(futures: list[tuple[asyncio.Future[bool], bool]]) -> None:
+    for future, is_spooled in futures:
+        if not future.done():
+            future.set_result(is_spooled)
+
+
 class DurableWriter:
     """Write, or spool then write, durable records; see the module docstring.
 
@@ -272,6 +278,9 @@ class DurableWriter:
         self._queue: queue.Queue[Any] = queue.Queue(max_queue)
         self._pending: collections.deque[tuple[RecordKind, Any]] = collections.deque()
         self._cond = threading.Condition()
+        self._spooled_waiters: list[tuple[int, asyncio.AbstractEventLoop,
+                                          asyncio.Future[bool]]] = []
+        """(target, loop, future) of ``spooled_async`` callers, woken by the thread."""
         self.num_submitted = 0
         self.num_taken = 0
         """Records the thread has taken from the queue (pending, written, spooled)."""
@@ -286,6 +295,7 @@ class DurableWriter:
         self.num_rejected = 0
         """Records the database refused as malformed (logged, not retried)."""
         self._is_database_down = False
+        self._is_ending = False
         if spool is not None:
             self._adopt()  # before anything of ours: adopted records are older
         self._thread = threading.Thread(target=self._run, name="durable-writer", daemon=True)
@@ -308,15 +318,52 @@ class DurableWriter:
         if so."""
         with self._cond:
             target = self.num_submitted
-            return (
-                self._cond.wait_for(
-                    lambda: (
-                        self.num_spooled + self.num_dropped >= target or not self._thread.is_alive()
-                    ),
-                    timeout_s,
-                )
-                and self.num_spooled + self.num_dropped >= target
-            )
+            return self._cond.wait_for(
+                lambda: self._is_spooled(target) or not self._thread.is_alive(), timeout_s,
+            ) and self._is_spooled(target)
+
+    async def spooled_async(self, timeout_s: float = 10.0) -> bool:
+        """``wait_spooled`` for a coroutine, without a thread of its own: the writer thread
+        wakes the caller's loop once (``call_soon_threadsafe``) when the records are safe."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            target = self.num_submitted
+            if self._is_spooled(target):
+                return True
+            if self._is_ending or not self._thread.is_alive():
+                return False
+            future: asyncio.Future[bool] = loop.create_future()
+            self._spooled_waiters.append((target, loop, future))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            if not future.done() or future.cancelled():  # timed out, or the caller cancelled
+                with self._cond:
+                    self._spooled_waiters = [w for w in self._spooled_waiters
+                                             if w[2] is not future]
+
+    def _is_spooled(self, target: int) -> bool:
+        return self.num_spooled + self.num_dropped >= target
+
+    def _notify_locked(self) -> None:
+        """Wake the threads in ``wait_*`` and the coroutines in ``spooled_async`` whose records
+        are now safe (all of them, with False, once the thread has ended). Under ``_cond``."""
+        self._cond.notify_all()
+        if not self._spooled_waiters:
+            return
+        woken: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[bool], bool]]] = {}
+        kept = []
+        for target, loop, future in self._spooled_waiters:
+            if self._is_spooled(target) or self._is_ending:
+                woken.setdefault(loop, []).append((future, self._is_spooled(target)))
+            else:
+                kept.append((target, loop, future))
+        self._spooled_waiters = kept
+        for loop, futures in woken.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_resolve_all, futures)
 
     def wait_written(self, timeout_s: float = 10.0) -> bool:
         """Until nothing submitted so far waits for the database; True if so."""
@@ -373,6 +420,14 @@ class DurableWriter:
     # -- the thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._run_batches()
+        finally:
+            with self._cond:
+                self._is_ending = True
+                self._notify_locked()
+
+    def _run_batches(self) -> None:
         backoff_s = 0.1
         next_attempt = 0.0
         next_adoption = self._clock() + ADOPT_INTERVAL_S
@@ -442,7 +497,7 @@ class DurableWriter:
                 self._pending.extend(items)
                 self._num_unspooled += len(items)
                 self.num_taken += len(items)
-                self._cond.notify_all()
+                self._notify_locked()
             return
         if self.spool is not None:
             items = self._append_to_spool(items)
@@ -450,7 +505,7 @@ class DurableWriter:
             self._pending.extend(items)
             self.num_taken += len(items)
             self.num_spooled += len(items)
-            self._cond.notify_all()
+            self._notify_locked()
 
     def _spool_unspooled(self) -> None:
         """A write failed: the pending records still in memory only go on disk now."""
@@ -467,7 +522,7 @@ class DurableWriter:
                     item for item in self._pending if id(item) not in dropped_ids)
             self._num_unspooled = 0
             self.num_spooled += len(kept)
-            self._cond.notify_all()
+            self._notify_locked()
 
     def _append_to_spool(self, items: list[tuple[RecordKind, Any]]
                          ) -> list[tuple[RecordKind, Any]]:
@@ -509,7 +564,7 @@ class DurableWriter:
         with self._cond:
             self._pending.extendleft(reversed(records))  # older than anything of ours
             self.num_adopted += len(records)
-            self._cond.notify_all()
+            self._notify_locked()
 
     def _write_batch(self) -> bool:
         """Write the oldest pending records (consecutive transfer statistics together); False
@@ -545,7 +600,7 @@ class DurableWriter:
             self._num_unspooled -= done_unspooled
             self.num_spooled += done_unspooled
             self.num_written += len(batch)
-            self._cond.notify_all()
+            self._notify_locked()
         return True
 
     def _write(self, kind: RecordKind, batch: list[Any]) -> None:
@@ -615,7 +670,7 @@ class TransferSinkAdapter:
         a DONE only then, so a SIGKILL right after loses no statistics it acknowledged. Off the
         token path (workers report DONE in the background); a writer that cannot keep up
         delays the acknowledgement by ``timeout_s`` at most."""
-        await asyncio.to_thread(self._writer.wait_spooled, timeout_s)
+        await self._writer.spooled_async(timeout_s)
 
 
 class WindowWriterAdapter:
