@@ -46,7 +46,10 @@ pytestmark = pytest.mark.timeout(120)
 
 SHAPE = TinyShape(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, block_size_tokens=16,
                   max_num_blocks=256)
-LEASE_S = 1.5
+LEASE_S = 5.0
+"""Long enough for the prefill to reach its pause on a loaded machine (a running prompt's lease is
+not renewed, so with 1.5 s a slow nixl set-up under a full CI run let it lapse before the pause);
+the stalled request then fails once this has passed."""
 PAUSE_AFTER_LAYERS = 2
 PROMPT_TOKENS = 300
 
